@@ -1,0 +1,90 @@
+"""`exgrpo-async` command line: train (local learner + actors), learner, actor.
+
+Heavy imports (torch, vLLM) happen inside the commands, so `--help` and config errors are instant.
+Config errors print a readable message and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML (or resolved JSON) config file; default: the embedded CPU demo")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=5e-5 rollout.samples_per_question=4")
+
+
+def _load(args):
+    from exgrpo_async.config import load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ValueError as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _sigterm_exits() -> None:
+    def handler(*_):
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="exgrpo-async", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_train = sub.add_parser("train", help="train with a local learner and actors (default: the CPU demo)")
+    _config_args(p_train)
+    p_learner = sub.add_parser("learner", help="run the learner process")
+    _config_args(p_learner)
+    p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
+    p_actor = sub.add_parser("actor", help="run one actor process that joins a learner")
+    p_actor.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
+    p_actor.add_argument("--cpu-core", type=int, help="pin this actor to one CPU core (CPU engines)")
+    args = ap.parse_args(argv)
+
+    from exgrpo_async.logs import setup_logging
+
+    if args.cmd == "train":
+        setup_logging("launch")
+        from exgrpo_async.launch import train
+
+        return train(_load(args))
+    if args.cmd == "learner":
+        setup_logging("learner")
+        _sigterm_exits()
+        cfg = _load(args)
+        from exgrpo_async.launch import new_run_dir, resolve_toy
+
+        cfg = resolve_toy(cfg)
+        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        from learner.train import run
+
+        run(cfg, run_dir)
+        return 0
+    if args.cmd == "actor":
+        setup_logging("actor", str(os.getpid()))
+        _sigterm_exits()
+        if args.cpu_core is not None:
+            os.sched_setaffinity(0, {args.cpu_core})  # before torch starts its threads
+        import torch
+
+        from actors.loop import run
+
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        run(args.learner, on_cpu=on_cpu)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

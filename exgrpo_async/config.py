@@ -1,0 +1,248 @@
+"""The one typed configuration schema for every process, and how it is loaded.
+
+A run's config is TOML (or the embedded CPU-demo default) plus dotted command-line overrides such as
+`learner.lr=5e-5`. Every model forbids unknown keys, so a typo is an error naming the key, not a
+silently ignored setting. The resolved config is written to the run folder as JSON, and actors started
+elsewhere receive the learner's resolved config over the wire, so both sides always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Strict):
+    path: str = "toy"
+    """Hugging Face model folder (local path or hub id), or "toy" for the built-in tiny policy the CPU
+    demo builds and caches (see `toy`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for the learner and for vLLM. fp32 on CPU; bf16 on GPU."""
+    max_model_len: int = Field(256, gt=0)
+    """Longest prompt + response, in tokens, that vLLM must support."""
+
+
+class ToyConfig(_Strict):
+    cache_dir: str = "~/.cache/exgrpo_async"
+    """Folder where the warm-started tiny policy and the toy train/test files are cached."""
+    seed: int = 0
+    """Seed for the toy task's held-out set, training pool and SFT."""
+    sft_seconds: float = Field(150.0, gt=0)
+    """Wall-clock budget of the supervised warm start (only run when the cache has no policy)."""
+    sft_threads: int = Field(2, gt=0)
+    """torch threads for the warm start."""
+
+
+class DataConfig(_Strict):
+    train_files: list[str] = []
+    """Training question files (JSONL, JSON array or parquet). Empty with model.path="toy": the toy pool."""
+    eval_file: str | None = None
+    """Held-out file scored before and after training (and every `eval_every` steps). None with the
+    toy model: the toy test set."""
+    prompt_template: str = "{problem}"
+    """Python format string applied to the question text; `{problem}` is replaced."""
+    system_prompt: str | None = None
+    """System message placed before the question when `use_chat_template` is true."""
+    use_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (rows in verl format always carry messages)."""
+    max_prompt_tokens: int = Field(1024, gt=0)
+    """Questions whose prompt is longer than this are skipped and counted, as the authors do."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch shuffle of the training questions."""
+
+
+class RolloutConfig(_Strict):
+    samples_per_question: int = Field(8, ge=2)
+    """K: completions sampled per question; the group that shares one baseline."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for training rollouts (top-p 1, top-k off)."""
+    max_new_tokens: int = Field(64, gt=0)
+    """Longest completion. Also the constant L_max in the Dr.GRPO loss normalizer."""
+    questions_per_request: int = Field(8, gt=0)
+    """How many questions an actor takes from the learner in one work request."""
+    eval_temperature: float = Field(1.0, ge=0)
+    """Temperature of held-out evaluation samples (0 = greedy)."""
+    eval_samples: int = Field(4, gt=0)
+    """Samples per held-out question; accuracy is their mean (avg@n)."""
+
+
+class VerifierConfig(_Strict):
+    workers: int = Field(1, gt=0)
+    """math-verify worker processes per actor (spawn-based pool)."""
+    timeout_s: float = Field(15.0, gt=0)
+    """Hard deadline of one verification; the worker is killed and replaced, the rollout scores 0."""
+    require_think: bool = False
+    """ExGRPO's reward: the answer is read only after "</think>" (prepending "<think>\\n"); a response
+    without it scores 0. Off for the toy task, on for the think-template recipes."""
+    memory_limit_mb: int = Field(4096, gt=0)
+    """Address-space cap of each verifier worker (RLIMIT_AS); huge-number inputs fail, not the host."""
+
+
+class EngineConfig(_Strict):
+    kv_cache_mb: int = Field(64, gt=0)
+    """KV-cache size per CPU engine, MiB (ignored on GPU, where gpu_memory_utilization rules)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    tensor_parallel_size: int = Field(1, gt=0)
+    """vLLM tensor parallelism per actor (GPU only)."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / compilation. Must stay true on CPU; false is faster on GPU."""
+    in_process: bool = True
+    """Run vLLM's engine core inside the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 2 s start and
+    half the memory on CPU. Weight sync works the same either way."""
+    max_num_seqs: int = Field(256, gt=0)
+    """vLLM's cap on concurrently scheduled sequences."""
+
+
+class ActorConfig(_Strict):
+    num_actors: int = Field(2, ge=0)
+    """Actor processes that `exgrpo-async train` starts locally (more may join with `exgrpo-async actor`)."""
+    threads: int = Field(1, gt=0)
+    """torch/OpenMP threads per actor on CPU; actors are pinned one per core when cores allow."""
+    engine: EngineConfig = EngineConfig()
+    """The vLLM engine of each actor."""
+    verifier: VerifierConfig = VerifierConfig()
+    """Reward computation."""
+
+
+class LearnerConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner trains; "auto" picks cuda when available. Also picks the weight-sync backend."""
+    threads: int = Field(1, gt=0)
+    """torch threads of the learner on CPU (the actors use the other cores)."""
+    questions_per_step: int = Field(32, gt=0)
+    """B: questions (groups of K) per learner step."""
+    max_steps: int = Field(100, gt=0)
+    """Learner steps (policy versions) to train."""
+    minibatches_per_step: int = Field(1, gt=0)
+    """Optimizer updates per learner step (the paper: 2, i.e. mini-batches of B/2 questions)."""
+    micro_batch_sequences: int = Field(64, gt=0)
+    """Sequences per forward/backward; gradients are accumulated over micro-batches."""
+    lr: float = Field(3e-5, gt=0)
+    """AdamW learning rate (constant after warm-up)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer updates."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global grad-norm clip."""
+    skip_grad_norm: float = Field(500.0, gt=0)
+    """An optimizer update is skipped (and counted) when the grad norm is non-finite or above this."""
+    clip_eps: float = Field(0.2, ge=0)
+    """PPO clip epsilon on the ratio to the behaviour log-probs."""
+    drop_zero_advantage: bool = True
+    """Skip sequences whose advantage is 0 in the forward/backward: the gradient is unchanged."""
+    max_staleness: int = Field(1, ge=0)
+    """Rollouts whose policy version is more than this many versions behind the learner are not trained
+    on; their questions are re-queued (counted as `stale_dropped`)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the held-out file every N steps (0: only before and after training)."""
+    seed: int = 0
+    """Learner seed (question order, torch)."""
+
+
+class TransportConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address the learner binds for actors. 127.0.0.1 unless actors run on other hosts."""
+    port: int = Field(0, ge=0, lt=65536)
+    """Learner's ZeroMQ port; 0 picks a free one (printed, and passed to local actors)."""
+    max_message_mb: int = Field(256, gt=0)
+    """Largest accepted message; bigger ones are refused by ZeroMQ and never decoded."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """How long an actor waits for the learner to answer before it gives up and exits."""
+
+
+class WeightSyncConfig(_Strict):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: gloo on CPU, NCCL on GPU ("auto" follows the learner device)."""
+    port: int = Field(0, ge=0, lt=65536)
+    """TCPStore port of the weight-sync groups; 0 picks a free one."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one group set-up or broadcast."""
+    bucket_mb: int = Field(64, gt=0)
+    """Weights travel in buckets of about this size; receive of bucket i+1 overlaps the load of bucket i."""
+
+
+class RunConfig(_Strict):
+    output_dir: str = "runs/demo"
+    """Run folder: resolved config, metrics.jsonl, summary and the final Hugging Face model."""
+    model: ModelConfig = ModelConfig()
+    """The policy."""
+    toy: ToyConfig = ToyConfig()
+    """The built-in toy task (used when model.path == "toy")."""
+    data: DataConfig = DataConfig()
+    """Questions."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    actor: ActorConfig = ActorConfig()
+    """Actor processes."""
+    learner: LearnerConfig = LearnerConfig()
+    """The learner process and the GRPO update."""
+    transport: TransportConfig = TransportConfig()
+    """Rollout and work transport (ZeroMQ)."""
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """Weight broadcast (torch.distributed)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.model.path != "toy" and not self.data.train_files:
+            raise ValueError("data.train_files is empty: give at least one training file (or use model.path='toy')")
+        if self.learner.questions_per_step % self.learner.minibatches_per_step:
+            raise ValueError("learner.questions_per_step must be divisible by learner.minibatches_per_step")
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def _parse_value(text: str) -> Any:
+    """Override values are TOML/JSON literals when they parse as one, plain strings otherwise."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a TOML file (a resolved .json config too; the embedded default when None) and apply `key.sub=value` overrides."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config file {p} does not exist")
+        try:
+            tree = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"config file {p} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {e}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        key, text = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_value(text.strip()))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ValueError("invalid config" + (f" ({path})" if path else "") + ":\n" + "\n".join(lines)) from None
+
+
+def config_from_json(text: str) -> RunConfig:
+    """The inverse of `config.model_dump_json()`; used by actors receiving the learner's config."""
+    return RunConfig.model_validate(json.loads(text))

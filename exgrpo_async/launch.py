@@ -1,0 +1,148 @@
+"""`exgrpo-async train`: start one learner and N actors on this machine, watch them, tear them down.
+
+The learner and every actor are separate OS processes started exactly as a user would start them on
+several hosts (`exgrpo-async learner` / `exgrpo-async actor --learner ADDR`); this launcher only adds
+local conveniences: the toy policy, the run folder, one CPU core per actor, and clean shutdown.
+Shutdown: Ctrl-C or SIGTERM reaches every child (SIGTERM, then SIGKILL after a grace period); children
+also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so no process is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from exgrpo_async.config import RunConfig
+
+log = logging.getLogger("exgrpo_async.launch")
+GRACE_S = 20.0
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: Ctrl-C still reaches the whole process group
+        pass
+
+
+def resolve_toy(cfg: RunConfig) -> RunConfig:
+    """Replace model.path="toy" by the cached warm-started policy and its train/test files."""
+    if cfg.model.path != "toy":
+        return cfg
+    from exgrpo_async.toy import PROMPT_TEMPLATE, ensure_toy_assets
+
+    paths = ensure_toy_assets(Path(cfg.toy.cache_dir), cfg.toy.seed, cfg.toy.sft_seconds, threads=cfg.toy.sft_threads)
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path = str(paths["model"])
+    cfg.data.train_files = cfg.data.train_files or [str(paths["train"])]
+    cfg.data.eval_file = cfg.data.eval_file or str(paths["test"])
+    cfg.data.prompt_template = PROMPT_TEMPLATE
+    return cfg
+
+
+def new_run_dir(output_dir: str) -> Path:
+    base = Path(output_dir)
+    run_dir = base / time.strftime("run-%Y%m%d-%H%M%S")
+    n = 1
+    while run_dir.exists():
+        run_dir = base / f"{time.strftime('run-%Y%m%d-%H%M%S')}-{n}"
+        n += 1
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def _spawn(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=_die_with_parent)
+
+
+def train(cfg: RunConfig) -> int:
+    cfg = resolve_toy(cfg)
+    run_dir = new_run_dir(cfg.output_dir)
+    cfg.output_dir = str(run_dir)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    print(f"run folder: {run_dir}", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
+    children: list[subprocess.Popen] = []
+    stopping = False
+
+    def shutdown(*_):
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)],
+                         dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)))
+        children.append(learner)
+        while not (run_dir / "learner.json").exists():
+            if learner.poll() is not None or stopping:
+                raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
+            time.sleep(0.2)
+        address = json.loads((run_dir / "learner.json").read_text())["address"]
+        cores = sorted(os.sched_getaffinity(0))
+        for i in range(cfg.actor.num_actors):
+            args = ["actor", "--learner", address]
+            if len(cores) > 1:
+                args += ["--cpu-core", str(cores[i % len(cores)])]
+            children.append(_spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads))))
+        while not stopping and learner.poll() is None:
+            dead = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
+            if dead and len(dead) == len(children) - 1:
+                log.error("every actor exited with an error; stopping the learner")
+                break
+            time.sleep(0.5)
+    finally:
+        rc = _teardown(children, wait_first=not stopping)
+        for s, h in old.items():
+            signal.signal(s, h)
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        print_summary(json.loads(summary.read_text()))
+    if stopping:
+        print("interrupted; every child process was stopped", flush=True)
+        return 130
+    return rc
+
+
+def _teardown(children: list[subprocess.Popen], wait_first: bool) -> int:
+    """Let children finish on their own (when the learner ended normally), then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + (GRACE_S if wait_first else 0.0)
+    while wait_first and time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(0.2)
+    for c in children:
+        if c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for c in children:
+        try:
+            c.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
+    return children[0].returncode if children else 1
+
+
+def print_summary(s: dict) -> None:
+    before, after = s.get("before") or {}, s.get("after") or {}
+    rows = [
+        ("held-out accuracy (avg@n, sampled)", f"{before.get('accuracy', float('nan')):.3f}", f"{after.get('accuracy', float('nan')):.3f}"),
+        ("held-out accuracy (greedy)", f"{before.get('greedy_accuracy', float('nan')):.3f}", f"{after.get('greedy_accuracy', float('nan')):.3f}"),
+    ]
+    print("\n" + f"{'':38s}{'before':>10s}{'after':>10s}")
+    for name, b, a in rows:
+        print(f"{name:38s}{b:>10s}{a:>10s}")
+    print(f"{'RL steps':38s}{s['steps']:>20d}")
+    print(f"{'RL wall time (s)':38s}{s['rl_seconds']:>20.1f}")
+    print(f"{'rollouts/s':38s}{s['rollouts_per_s']:>20.1f}")
+    print(f"{'generated tokens/s':38s}{s['tokens_per_s']:>20.0f}")
+    print(f"{'weight sync, mean broadcast (s)':38s}{s['sync_seconds_mean']:>20.4f}")
+    print(f"{'stale groups dropped / skipped steps':38s}{str(s['stale_dropped']) + ' / ' + str(s['skipped_steps']):>20s}")
+    print(f"final model: {s['final_model']}", flush=True)

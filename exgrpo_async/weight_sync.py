@@ -1,0 +1,173 @@
+"""Weight sync from the learner to actors over torch.distributed (seam 5 of 5).
+
+One code path for CPU and GPU: gloo with CPU tensors, NCCL with CUDA tensors; only the backend and the
+tensor device differ. Each actor gets its own small group: rank 0 is the learner, ranks 1..tp are that
+actor's vLLM workers. A group per actor (rather than one group over all actors) means an actor can join
+or leave without rebuilding anybody else's group, and a slow actor never holds back a fast one; the
+learner serves the groups one after the other from a background thread.
+
+Protocol of one sync (learner side `WeightPublisher.send`, worker side `WeightReceiver.receive`):
+- weights travel in buckets of about `bucket_mb`, each one flat tensor of one dtype;
+- the receiver gets `meta` (over ZeroMQ, before the broadcast): per bucket a list of
+  (name, dtype, shape) in Hugging Face parameter names;
+- the learner issues every bucket broadcast at once; the receiver keeps one bucket in flight while it
+  loads the previous one into the engine, so the load hides behind the transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+Meta = list[list[tuple[str, str, list[int]]]]  # buckets of (name, dtype name, shape)
+
+
+def make_group(host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
+               timeout_s: float, store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Build a private process group without touching torch.distributed's default group.
+
+    The learner passes its master `store`; workers connect to it as clients. `prefix` separates the
+    keys of different actors' groups (and of successive groups of one actor) in that store.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    pstore = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+    raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
+
+
+def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Meta:
+    """Group parameters into same-dtype buckets of about `bucket_bytes` (a big tensor gets its own)."""
+    buckets: Meta = []
+    cur: list[tuple[str, str, list[int]]] = []
+    cur_bytes, cur_dtype = 0, None
+    for name, t in named:
+        dtype = str(t.dtype).removeprefix("torch.")
+        size = t.numel() * t.element_size()
+        if cur and (dtype != cur_dtype or cur_bytes + size > bucket_bytes):
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append((name, dtype, list(t.shape)))
+        cur_bytes, cur_dtype = cur_bytes + size, dtype
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class WeightPublisher:
+    """Learner side: keeps the latest packed weights and broadcasts them to one actor group at a time.
+
+    `publish` is called by the training loop after each optimizer step (it copies the parameters, so
+    training may continue while a send is in progress); `open_group`, `send` and `close_group` are called
+    from the sync thread only.
+    """
+
+    def __init__(self, host: str, port: int, backend: str, device: torch.device, bucket_mb: int, timeout_s: float):
+        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        self.bucket_bytes = bucket_mb << 20
+        self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.host, self.port = host, self.store.port
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._lock = threading.Lock()
+        self.version = -1
+        self.meta: Meta = []
+        self._flat: list[torch.Tensor] = []
+
+    def publish(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Pack the given parameters (HF names) into flat buckets on the sync device; becomes `version`."""
+        meta = plan_buckets(named, self.bucket_bytes)
+        by_name = dict(named)
+        flat = [torch.cat([by_name[n].detach().reshape(-1) for n, _, _ in bucket]).to(self.device)
+                for bucket in meta]
+        with self._lock:
+            self.version, self.meta, self._flat = version, meta, flat
+
+    def snapshot(self) -> tuple[int, Meta, list[torch.Tensor]]:
+        with self._lock:
+            return self.version, self.meta, self._flat
+
+    def open_group(self, key: str, world_size: int) -> None:
+        """Join a new actor's group as rank 0 (blocks until the actor's workers join)."""
+        self.close_group(key)
+        self.groups[key] = make_group(self.host, self.port, f"ws/{key}/", 0, world_size, self.backend,
+                                      self.timeout_s, store=self.store)
+
+    def send(self, key: str, flat: list[torch.Tensor]) -> float:
+        """Broadcast the given packed buckets to one actor's group; returns seconds spent."""
+        import time
+
+        t0 = time.perf_counter()
+        pg = self.groups[key]
+        works = [_broadcast(pg, t) for t in flat]
+        for w in works:
+            w.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def close_group(self, key: str) -> None:
+        pg = self.groups.pop(key, None)
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # a dead peer's group may fail to shut down; it is dropped either way
+                pass
+
+
+class WeightReceiver:
+    """Worker side (inside a vLLM worker process): joins its actor's group and yields received buckets."""
+
+    def __init__(self, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
+                 device: torch.device, timeout_s: float):
+        self.device = device
+        self.pg = make_group(host, port, prefix, rank, world_size, backend, timeout_s)
+
+    def receive(self, meta: Meta) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield each bucket as (name, tensor) views while the next bucket is still in flight."""
+        def start(bucket):
+            numel = sum(_numel(shape) for _, _, shape in bucket)
+            buf = torch.empty(numel, dtype=getattr(torch, bucket[0][1]), device=self.device)
+            return buf, _broadcast(self.pg, buf)
+
+        pending = start(meta[0]) if meta else None
+        for i, bucket in enumerate(meta):
+            buf, work = pending
+            work.wait()
+            pending = start(meta[i + 1]) if i + 1 < len(meta) else None
+            out, off = [], 0
+            for name, _, shape in bucket:
+                n = _numel(shape)
+                out.append((name, buf[off:off + n].view(shape)))
+                off += n
+            yield out
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except Exception:  # shutting down a group whose peer is gone may raise; nothing left to free
+            pass
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,112 @@
+"""Work dispatch: the learner decides which questions are rolled out, by whom, and how many samples.
+
+Actors ask for work; the dispatcher answers from, in order of priority:
+1. evaluation items (held-out questions, scored but never trained on);
+2. re-issued training questions (their rollouts were dropped as too stale, or their actor left);
+3. the next question of the shuffled training pool.
+Training work is admitted only while `dispatched <= (version + 1 + max_staleness) * B` (AReaL-style
+admission): rollouts are not generated in the first place if they could not be trained on within
+`max_staleness` versions. Every dispatched item stays in `outstanding` until its rollouts arrive, so
+nothing is lost silently: an item is either returned to the learner or explicitly re-issued.
+Thread-safe: the server thread dispatches, the training loop completes and re-queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from exgrpo_async.rollout import Purpose
+
+
+@dataclass
+class WorkItem:
+    work_id: int
+    question_id: int
+    n: int
+    purpose: Purpose
+    temperature: float
+    actor_id: str = ""
+    dispatched_at: float = 0.0
+    min_version: int = 0
+
+
+class Dispatcher:
+    def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int):
+        self._next_question = next_question  # callable -> question id (the epoch sampler)
+        self.B, self.K, self.temperature, self.eta = questions_per_step, samples, temperature, max_staleness
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._retry: deque[int] = deque()
+        self._eval: deque[WorkItem] = deque()
+        self.outstanding: dict[int, WorkItem] = {}
+        self.version = 0
+        self.train_dispatched = 0  # training questions handed out, re-issues included
+        self.train_consumed = 0  # training questions trained on
+        self.stopped = False
+
+    def capacity(self) -> int:
+        """Training questions that may still be handed out at the current version."""
+        return (self.version + 1 + self.eta) * self.B - self.train_dispatched
+
+    def take(self, actor_id: str, actor_version: int, max_items: int) -> list[WorkItem]:
+        """Up to `max_items` items for one actor (eval first, then training within the admission cap)."""
+        out: list[WorkItem] = []
+        now = time.monotonic()
+        with self._lock:
+            if self.stopped:
+                return out
+            while self._eval and len(out) < max_items and self._eval[0].min_version <= actor_version:
+                item = self._eval.popleft()
+                item.work_id, item.actor_id, item.dispatched_at = next(self._ids), actor_id, now
+                out.append(item)
+            while len(out) < max_items and self.capacity() > 0:
+                qid = self._retry.popleft() if self._retry else self._next_question()
+                item = WorkItem(next(self._ids), qid, self.K, "train", self.temperature, actor_id, now)
+                self.train_dispatched += 1
+                out.append(item)
+            for item in out:
+                self.outstanding[item.work_id] = item
+        return out
+
+    def complete(self, work_id: int) -> WorkItem | None:
+        """The item whose rollouts just arrived, or None if it is unknown or already completed."""
+        with self._lock:
+            return self.outstanding.pop(work_id, None)
+
+    def reissue(self, question_id: int) -> None:
+        """A training question whose rollouts could not be used goes out again (ahead of new ones)."""
+        with self._lock:
+            self._retry.append(question_id)
+            self.train_dispatched -= 1  # the admission budget is for questions trained, not attempts
+
+    def release_actor(self, actor_id: str) -> int:
+        """Re-issue everything an actor held (it left or died); returns how many items."""
+        with self._lock:
+            mine = [w for w in self.outstanding.values() if w.actor_id == actor_id]
+            for w in mine:
+                del self.outstanding[w.work_id]
+                if w.purpose == "train":
+                    self._retry.append(w.question_id)
+                    self.train_dispatched -= 1
+                else:
+                    self._eval.appendleft(w)
+        return len(mine)
+
+    def add_eval(self, question_ids: list[int], n: int, temperature: float, min_version: int) -> None:
+        with self._lock:
+            for qid in question_ids:
+                self._eval.append(WorkItem(0, qid, n, "eval", temperature, min_version=min_version))
+
+    def trained(self, n_questions: int, version: int) -> None:
+        """The loop trained on `n_questions` and moved to `version`."""
+        with self._lock:
+            self.train_consumed += n_questions
+            self.version = version
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True

@@ -1,0 +1,86 @@
+"""The GRPO maths of the learner: advantages, per-token log-probs and the Dr.GRPO policy loss.
+
+Pure functions over tensors; the loop in train.py decides what goes in. Choices (exgrpo-algorithm.md
+sections 5 and 6):
+- advantage A_i = r_i - mean(r of its group), no division by the std (Dr.GRPO);
+- per-token ratio r_t = exp(logp_theta - logp_behaviour), the behaviour log-probs being the ones the
+  actor sampled with, so stale rollouts are corrected by the same ratio;
+- PPO clip max(-A r, -A clip(r, 1-eps, 1+eps)) per token;
+- aggregation: sum over every valid token of the mini-batch divided by (sequences x L_max), where
+  L_max is the constant max response length. No per-sequence or per-token mean, so long and short
+  answers weigh by their token count and the scale never depends on the batch's lengths. (The authors'
+  code divides by ranks x L_max instead of sequences x L_max: the same objective up to a constant.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """A_i = r_i - mean(r) over one group (no std normalisation)."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad prompt+completion rows. `target_mask[i, j]` marks positions j whose *next* token is a
+    completion token, i.e. where logits[:, j] score completion token j+1."""
+    lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    width = max(lens)
+    n = len(prompts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    target_mask = torch.zeros((n, width - 1), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        row = list(p) + list(c)
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention[i, :len(row)] = 1
+        target_mask[i, len(p) - 1:len(row) - 1] = True
+    return {"input_ids": input_ids, "attention_mask": attention, "target_mask": target_mask}
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """(N, L-1) log-prob of each next token under `model` (logits divided by the sampling temperature)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:]
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def scatter_completion(values: list[torch.Tensor], target_mask: torch.Tensor) -> torch.Tensor:
+    """Place per-completion vectors (e.g. behaviour log-probs) into the (N, L-1) target layout."""
+    out = torch.zeros(target_mask.shape, dtype=torch.float32)
+    out[target_mask] = torch.cat([v.float() for v in values]) if values else torch.zeros(0)
+    return out
+
+
+def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: float | None, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr.GRPO token-sum PPO loss.
+
+    logp, behaviour_logp, mask: (N, T); advantages: (N,). `clip_eps=None` disables clipping.
+    Returns the loss (already divided by `normalizer`) and detached statistics.
+    """
+    maskf = mask.float()
+    log_ratio = (logp - behaviour_logp) * maskf
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1)
+    per_token = -adv * ratio
+    clipped_frac = torch.zeros(())
+    if clip_eps is not None:
+        clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+        clipped_frac = ((clipped > per_token).float() * maskf).sum() / maskf.sum().clamp(min=1)
+        per_token = torch.maximum(per_token, clipped)
+    loss = (per_token * maskf).sum() / normalizer
+    n_tok = maskf.sum().clamp(min=1)
+    stats = {
+        "ratio_mean": float((ratio.detach() * maskf).sum() / n_tok),
+        "ratio_max": float((ratio.detach() * maskf).max()) if mask.any() else 1.0,
+        "clip_frac": float(clipped_frac),
+    }
+    return loss, stats

@@ -1,0 +1,259 @@
+"""The learner loop, top to bottom: receive rollouts -> form groups -> advantages -> loss -> step -> publish.
+
+On-policy GRPO (Dr.GRPO variant) with asynchronous actors:
+- actors pull work from the dispatcher and stream back groups of K completions; the dispatcher's
+  admission cap keeps at most `max_staleness` versions of work in flight, and groups that still arrive
+  too stale are dropped and their questions re-issued (counted, never lost);
+- the loss takes the PPO ratio against the behaviour log-probs the actor sampled with, so a rollout one
+  version old is corrected by the same ratio that clips an on-policy one;
+- after each learner step the policy version goes up by one and the new weights are published; actors
+  fetch them before their next batch.
+Held-out accuracy is measured by the actors themselves (eval work items) before and after training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from exgrpo_async.config import RunConfig
+from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
+from exgrpo_async.rollout import RolloutGroup
+from exgrpo_async.weight_sync import WeightPublisher
+from learner.dispatch import Dispatcher, WorkItem
+from learner.grpo import group_advantages, pack_sequences, policy_loss, scatter_completion, token_logprobs
+from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
+from learner.server import LearnerServer
+
+log = logging.getLogger("exgrpo_async.learner")
+
+
+class Inbox:
+    """Sorts what the server receives: training groups wait in `train`, eval groups are tallied."""
+
+    def __init__(self, server: LearnerServer):
+        self.server = server
+        self.train: list[tuple[WorkItem, RolloutGroup]] = []
+        self.eval: list[tuple[WorkItem, RolloutGroup]] = []
+        self._last_warn = time.monotonic()
+
+    def pump(self, timeout: float) -> None:
+        try:
+            item, group = self.server.inbox.get(timeout=timeout)
+        except queue.Empty:
+            if self.server.connected == 0 and time.monotonic() - self._last_warn > 30:
+                log.warning("waiting for rollouts, but no actor is connected")
+                self._last_warn = time.monotonic()
+            return
+        (self.eval if item.purpose == "eval" else self.train).append((item, group))
+
+
+def run_eval(inbox: Inbox, dispatcher: Dispatcher, n_questions: int, cfg: RunConfig, version: int) -> dict:
+    """Score the held-out set with the weights of `version`: avg@n sampled and greedy accuracy."""
+    qids = list(range(n_questions))
+    inbox.eval.clear()
+    dispatcher.add_eval(qids, cfg.rollout.eval_samples, cfg.rollout.eval_temperature, version)
+    dispatcher.add_eval(qids, 1, 0.0, version)
+    t0 = time.time()
+    while len(inbox.eval) < 2 * n_questions:
+        inbox.pump(0.5)
+    sampled = [r for it, g in inbox.eval if it.temperature > 0 for r in g.rewards]
+    greedy = [r for it, g in inbox.eval if it.temperature == 0 for r in g.rewards]
+    versions = {g.policy_version for _, g in inbox.eval}
+    inbox.eval.clear()
+    return {"accuracy": sum(sampled) / len(sampled), "greedy_accuracy": sum(greedy) / len(greedy),
+            "versions": sorted(versions), "seconds": time.time() - t0}
+
+
+def run(cfg: RunConfig, run_dir: Path) -> dict:
+    # --- setup: device, model, data, optimizer -----------------------------------------------
+    device = pick_device(cfg.learner.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.learner.threads)
+    torch.manual_seed(cfg.learner.seed)
+    random.seed(cfg.learner.seed)
+    backend = cfg.weight_sync.backend if cfg.weight_sync.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    model, tokenizer = load_policy(cfg.model.path, cfg.model.dtype, device)
+    d = cfg.data
+    train_pool = load_pool(d.train_files, skip_bad_rows=True)
+    eval_pool = load_pool([d.eval_file], skip_bad_rows=True) if d.eval_file else None
+    if train_pool.skipped:
+        log.warning("skipped %d bad training rows (first: %s)", len(train_pool.skipped), train_pool.skipped[0])
+    render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tokenizer)  # noqa: E731
+    prompts = {"train": [render(q) for q in train_pool.questions]}
+    too_long = {i for i, p in enumerate(prompts["train"]) if len(tokenizer(p)["input_ids"]) > d.max_prompt_tokens}
+    if too_long:
+        log.warning("skipping %d training questions longer than %d prompt tokens", len(too_long), d.max_prompt_tokens)
+    keep = [i for i in range(len(train_pool.questions)) if i not in too_long]
+    if not keep:
+        raise ValueError("no training question fits data.max_prompt_tokens")
+    questions = {"train": train_pool.questions, "eval": eval_pool.questions if eval_pool else []}
+    prompts["eval"] = [render(q) for q in questions["eval"]]
+    sampler = QuestionSampler(keep, seed=d.shuffle_seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
+                            weight_decay=cfg.learner.weight_decay)
+    L = cfg.learner
+    K, B, L_max = cfg.rollout.samples_per_question, L.questions_per_step, cfg.rollout.max_new_tokens
+
+    # --- process shell: dispatcher, weight publisher, server; version 0 is published first ---------
+    dispatcher = Dispatcher(sampler.next, B, K, cfg.rollout.temperature, L.max_staleness)
+    publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
+                                device if backend == "nccl" else torch.device("cpu"),
+                                cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
+    publisher.publish(0, named_parameters_for_sync(model))
+    server = LearnerServer(cfg, dispatcher, publisher, backend, prompts, questions, cfg.model_dump_json())
+    server.start()
+    (run_dir / "learner.json").write_text(json.dumps({"address": server.address}))
+    log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, publisher.port)
+    inbox = Inbox(server)
+    metrics_f = open(run_dir / "metrics.jsonl", "a")
+    summary: dict = {"before": None, "after": None}
+    try:
+        if eval_pool:
+            summary["before"] = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version=0)
+            log.info("held-out before: %s", summary["before"])
+
+        # --- the RL loop ---------------------------------------------------------------------------
+        from tqdm import tqdm
+
+        bar = tqdm(total=L.max_steps, desc="RL", unit="step", dynamic_ncols=True)
+        t_start = time.time()
+        totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0}
+        version, opt_updates, first_sync_checked, n_syncs_seen = 0, 0, False, 0
+        for step in range(1, L.max_steps + 1):
+            t_step = time.time()
+            # 1) wait for B training groups, dropping those too stale to train on
+            batch: list[tuple[WorkItem, RolloutGroup]] = []
+            while len(batch) < B:
+                if not inbox.train:
+                    inbox.pump(0.5)
+                    continue
+                item, group = inbox.train.pop(0)
+                if version - group.policy_version > L.max_staleness:
+                    totals["stale_dropped"] += 1
+                    dispatcher.reissue(item.question_id)
+                    continue
+                batch.append((item, group))
+            t_wait = time.time() - t_step
+
+            # 2) flatten into sequences with their group advantages (no std normalisation)
+            seqs = []  # (prompt ids, completion ids, behaviour logprobs, advantage, staleness, group index)
+            rewards, staleness = [], []
+            for gi, (_, g) in enumerate(batch):
+                adv = group_advantages(g.rewards)
+                staleness.append(version - g.policy_version)
+                for c, a in zip(g.completions, adv):
+                    rewards.append(c.reward)
+                    seqs.append((g.prompt_ids.tolist(), c.token_ids.tolist(), torch.from_numpy(c.logprobs.copy()),
+                                 a, version - g.policy_version, gi))
+            totals["rollouts"] += len(seqs)
+            step_tokens = sum(len(s[1]) for s in seqs)
+            totals["tokens"] += step_tokens
+
+            # 3) the update: M mini-batches of B/M groups, each one optimizer step
+            t_train = time.time()
+            model.train()
+            mb_groups = B // L.minibatches_per_step
+            losses, norms, stats_acc, diff_max = [], [], [], None
+            for mb in range(L.minibatches_per_step):
+                mb_seqs = [s for s in seqs if mb * mb_groups <= s[5] < (mb + 1) * mb_groups]
+                normalizer = float(len(mb_seqs) * L_max)
+                live = [s for s in mb_seqs if s[3] != 0.0 or not L.drop_zero_advantage]
+                opt.zero_grad(set_to_none=True)
+                mb_loss = 0.0
+                for i in range(0, len(live), L.micro_batch_sequences):
+                    micro = live[i:i + L.micro_batch_sequences]
+                    packed = pack_sequences([s[0] for s in micro], [s[1] for s in micro], tokenizer.pad_token_id or 0)
+                    mask = packed["target_mask"]
+                    logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
+                                         cfg.rollout.temperature)
+                    behav = scatter_completion([s[2] for s in micro], mask).to(device)
+                    adv = torch.tensor([s[3] for s in micro], dtype=torch.float32, device=device)
+                    clip = L.clip_eps if L.clip_eps > 0 else None
+                    loss, st = policy_loss(logp, behav, adv, mask.to(device), clip, normalizer)
+                    loss.backward()
+                    mb_loss += float(loss.detach())
+                    stats_acc.append(st)
+                    if mb == 0:  # before any update this step: learner vs vLLM on the same weights
+                        fresh = torch.tensor([s[4] == 0 for s in micro], device=device).unsqueeze(-1) & mask.to(device)
+                        if fresh.any():
+                            d_ = float(((logp.detach() - behav).abs() * fresh).max())
+                            diff_max = d_ if diff_max is None else max(diff_max, d_)
+                gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), L.grad_clip))
+                norms.append(gn)
+                losses.append(mb_loss)
+                if not math.isfinite(gn) or gn > L.skip_grad_norm:
+                    totals["skipped_steps"] += 1
+                    log.warning("step %d: grad norm %s, optimizer update skipped", step, gn)
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                opt_updates += 1
+                for g_ in opt.param_groups:
+                    g_["lr"] = L.lr * min(1.0, opt_updates / L.warmup_steps) if L.warmup_steps else L.lr
+                opt.step()
+            model.eval()
+            t_train = time.time() - t_train
+
+            # 4) new policy version: publish it, let the dispatcher admit more work
+            version += 1
+            t_pub = time.time()
+            publisher.publish(version, named_parameters_for_sync(model))
+            t_pub = time.time() - t_pub
+            dispatcher.trained(B, version)
+            if not first_sync_checked and diff_max is not None and min(g.policy_version for _, g in batch) >= 1:
+                log.info("first synced weights: max |logp_vllm - logp_learner| = %.3g", diff_max)
+                first_sync_checked = True
+
+            # 5) metrics
+            syncs, n_syncs_seen = server.sync_seconds[n_syncs_seen:], len(server.sync_seconds)
+            elapsed = time.time() - t_start
+            row = {
+                "step": step, "policy_version": version, "reward_mean": sum(rewards) / len(rewards),
+                "pass_at_1": sum(1.0 for r in rewards if r >= 1.0) / len(rewards),
+                "loss": sum(losses), "grad_norm": max(norms), "tokens_generated": step_tokens, "rollouts": len(seqs),
+                "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                "sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
+                "step_seconds": time.time() - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
+                "ratio_mean": sum(s["ratio_mean"] for s in stats_acc) / max(1, len(stats_acc)),
+                "ratio_max": max((s["ratio_max"] for s in stats_acc), default=1.0),
+                "clip_frac": sum(s["clip_frac"] for s in stats_acc) / max(1, len(stats_acc)),
+                "logprob_diff_max": diff_max, "stale_dropped_total": totals["stale_dropped"],
+                "skipped_steps_total": totals["skipped_steps"], "actors": server.connected,
+                "rollouts_per_s": totals["rollouts"] / elapsed, "tokens_per_s": totals["tokens"] / elapsed,
+                "bad_messages_total": server.counters["bad_messages"],
+            }
+            metrics_f.write(json.dumps(row) + "\n")
+            metrics_f.flush()
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            if L.eval_every and step % L.eval_every == 0 and eval_pool and step < L.max_steps:
+                ev = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version)
+                metrics_f.write(json.dumps({"step": step, "policy_version": version, "eval": ev}) + "\n")
+        bar.close()
+        rl_seconds = time.time() - t_start
+
+        # --- the end: evaluate the final weights, save the model, summarise -----------------------
+        if eval_pool:
+            summary["after"] = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version=version)
+        save_policy(model, tokenizer, run_dir / "final")
+        summary.update({
+            "steps": L.max_steps, "rl_seconds": rl_seconds, "rollouts": totals["rollouts"],
+            "rollouts_per_s": totals["rollouts"] / rl_seconds, "tokens_per_s": totals["tokens"] / rl_seconds,
+            "sync_seconds_mean": sum(server.sync_seconds) / max(1, len(server.sync_seconds)),
+            "syncs": len(server.sync_seconds), "stale_dropped": totals["stale_dropped"],
+            "skipped_steps": totals["skipped_steps"], "bad_messages": server.counters["bad_messages"],
+            "final_model": str(run_dir / "final"),
+        })
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        metrics_f.close()
+        server.stop()
