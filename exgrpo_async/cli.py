@@ -10,7 +10,6 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -58,31 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "learner":
         setup_logging("learner")
         _sigterm_exits()
-        cfg = _load(args)
-        from exgrpo_async.launch import new_run_dir, resolve_toy
+        from learner.main import main as learner_main
 
-        cfg = resolve_toy(cfg)
-        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg.output_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        from learner.train import run
-
-        run(cfg, run_dir)
-        return 0
+        return learner_main(_load(args), args.run_dir)
     if args.cmd == "actor":
         setup_logging("actor", str(os.getpid()))
         _sigterm_exits()
-        if args.cpu_core is not None:
-            os.sched_setaffinity(0, {args.cpu_core})  # before torch starts its threads
-        import torch
+        from actors.main import main as actor_main
 
-        from actors.loop import run
-
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        run(args.learner, on_cpu=on_cpu)
-        return 0
+        return actor_main(args.learner, args.cpu_core)
     return 2
 
 

@@ -120,13 +120,13 @@ class LearnerConfig(_Strict):
     """torch threads of the learner on CPU (the actors use the other cores)."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
-    max_steps: int = Field(100, gt=0)
+    max_steps: int = Field(150, gt=0)
     """Learner steps (policy versions) to train."""
     minibatches_per_step: int = Field(1, gt=0)
     """Optimizer updates per learner step (the paper: 2, i.e. mini-batches of B/2 questions)."""
     micro_batch_sequences: int = Field(64, gt=0)
     """Sequences per forward/backward; gradients are accumulated over micro-batches."""
-    lr: float = Field(3e-5, gt=0)
+    lr: float = Field(5e-5, gt=0)
     """AdamW learning rate (constant after warm-up)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up, in optimizer updates."""

@@ -207,8 +207,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             publisher.publish(version, named_parameters_for_sync(model))
             t_pub = time.time() - t_pub
             dispatcher.trained(B, version)
-            if not first_sync_checked and diff_max is not None and min(g.policy_version for _, g in batch) >= 1:
-                log.info("first synced weights: max |logp_vllm - logp_learner| = %.3g", diff_max)
+            if not first_sync_checked and diff_max is not None:  # actors' weights all arrived by broadcast
+                log.info("after the first weight sync: max |logp_vllm - logp_learner| = %.3g on version %d",
+                         diff_max, version - 1)
                 first_sync_checked = True
 
             # 5) metrics

@@ -1,0 +1,19 @@
+"""Entry point of an actor process: pin to a core (CPU), then join the learner and run the loop."""
+
+from __future__ import annotations
+
+import os
+
+
+def main(learner_address: str, cpu_core: int | None) -> int:
+    if cpu_core is not None:
+        os.sched_setaffinity(0, {cpu_core})  # before torch starts its threads
+    import torch
+
+    from actors.loop import run
+
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run(learner_address, on_cpu=on_cpu)
+    return 0

@@ -1,0 +1,85 @@
+"""The config schema: shipped files parse, overrides apply, bad input is rejected with a clear message."""
+
+from pathlib import Path
+
+import pytest
+
+from exgrpo_async.config import RunConfig, config_from_json, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+
+
+def test_there_are_configs_to_check():
+    names = {p.name for p in CONFIGS}
+    assert {"cpu-demo.toml", "qwen2.5-math-1.5b-8gpu.toml", "qwen2.5-math-7b-8gpu.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert cfg.rollout.samples_per_question >= 2
+
+
+def test_cpu_demo_file_equals_embedded_default():
+    assert load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.toml") == load_config(None)
+
+
+def test_paper_settings_in_7b_config():
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "qwen2.5-math-7b-8gpu.toml")
+    L = cfg.learner
+    assert (L.questions_per_step, cfg.rollout.samples_per_question, L.lr, L.weight_decay) == (128, 8, 1e-6, 0.01)
+    assert (L.minibatches_per_step, cfg.rollout.max_new_tokens, L.skip_grad_norm, L.max_steps) == (2, 8192, 500.0, 700)
+    assert cfg.actor.verifier.require_think and L.betas == (0.9, 0.999)
+
+
+def test_dotted_overrides_with_typed_values():
+    cfg = load_config(None, ["learner.lr=1e-4", "rollout.samples_per_question=4", "transport.host=0.0.0.0",
+                             "learner.betas=[0.9, 0.95]", "data.use_chat_template=true"])
+    assert cfg.learner.lr == 1e-4 and cfg.rollout.samples_per_question == 4
+    assert cfg.transport.host == "0.0.0.0" and cfg.learner.betas == (0.9, 0.95) and cfg.data.use_chat_template
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("learner.lrr=1", "learner.lrr"),                       # unknown key, named
+    ("bogus.key=1", "bogus"),                               # unknown section
+    ("learner.lr=-1", "learner.lr"),                        # out of range
+    ("rollout.samples_per_question=1", "samples_per_question"),
+    ("weight_sync.backend=mpi", "weight_sync.backend"),
+    ("learner.minibatches_per_step=7", "divisible"),         # cross-field rule
+    ("model.path=/some/model", "train_files"),              # a real model needs data
+])
+def test_bad_values_rejected_with_a_clear_message(override, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_file_is_rejected(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[learner]\nlearning_rate = 1e-5\n")
+    with pytest.raises(ValueError, match="learner.learning_rate"):
+        load_config(p)
+    p.write_text("[learner\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="section.key=value"):
+        load_config(None, ["learner.lr"])
+
+
+def test_resolved_json_roundtrip(tmp_path):
+    cfg = load_config(None, ["learner.max_steps=7"])
+    assert config_from_json(cfg.model_dump_json()) == cfg
+    p = tmp_path / "config.json"
+    p.write_text(cfg.model_dump_json())
+    assert load_config(p) == cfg
+
+
+def test_every_field_has_a_docstring():
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{prefix}{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]):
+                walk(ann, f"{prefix}{name}.")
+    walk(RunConfig)

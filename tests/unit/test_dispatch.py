@@ -1,0 +1,61 @@
+"""Work dispatch: admission bounds staleness, nothing dispatched is lost, eval goes first."""
+
+import itertools
+
+from learner.dispatch import Dispatcher
+
+
+def make(B=4, eta=1):
+    counter = itertools.count()
+    return Dispatcher(lambda: next(counter), questions_per_step=B, samples=8, temperature=1.0, max_staleness=eta)
+
+
+def test_admission_caps_training_work_at_eta_plus_one_steps():
+    d = make(B=4, eta=1)
+    got = d.take("a", 0, 100)
+    assert len(got) == 8 and all(w.n == 8 and w.purpose == "train" for w in got)
+    assert d.take("b", 0, 100) == []
+    d.trained(4, version=1)
+    assert len(d.take("b", 1, 100)) == 4
+    d0 = make(B=4, eta=0)
+    assert len(d0.take("a", 0, 100)) == 4  # eta=0: synchronous, one step of work at a time
+
+
+def test_every_item_is_completed_once():
+    d = make()
+    items = d.take("a", 0, 3)
+    assert d.complete(items[0].work_id) is items[0]
+    assert d.complete(items[0].work_id) is None  # a duplicate reply is rejected
+    assert d.complete(12345) is None
+
+
+def test_reissued_questions_go_out_first_and_do_not_consume_budget():
+    d = make(B=2, eta=0)
+    a, b = d.take("a", 0, 10)
+    d.complete(a.work_id)
+    d.reissue(a.question_id)
+    again = d.take("b", 0, 10)
+    assert [w.question_id for w in again] == [a.question_id]
+
+
+def test_release_actor_reissues_everything_it_held():
+    d = make(B=4, eta=0)
+    held = d.take("dead", 0, 3)
+    assert d.release_actor("dead") == 3
+    assert not d.outstanding
+    taken = d.take("alive", 0, 10)
+    assert [w.question_id for w in taken[:3]] == [w.question_id for w in held]
+
+
+def test_eval_first_and_only_on_new_enough_weights():
+    d = make(B=4, eta=0)
+    d.add_eval([0, 1], n=4, temperature=1.0, min_version=2)
+    assert all(w.purpose == "train" for w in d.take("a", 1, 10))
+    ev = d.take("b", 2, 10)
+    assert [w.purpose for w in ev] == ["eval", "eval"] and [w.question_id for w in ev] == [0, 1]
+
+
+def test_stop_hands_out_nothing():
+    d = make()
+    d.stop()
+    assert d.take("a", 0, 10) == []

@@ -1,0 +1,41 @@
+"""Process boundaries: actors/ and learner/ never import each other; exgrpo_async/ imports neither."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = {"actors": {"learner"}, "learner": {"actors"}, "exgrpo_async": {"actors", "learner"}}
+# The command line is the composition root: it starts a role by calling that role's main(), and
+# nothing else in exgrpo_async may name a role package.
+COMPOSITION_ROOT = ROOT / "exgrpo_async" / "cli.py"
+
+
+def imported_top_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_package_boundaries(package):
+    files = list((ROOT / package).rglob("*.py"))
+    assert files
+    for f in files:
+        if f == COMPOSITION_ROOT:
+            assert imported_top_packages(f) & {"actors", "learner"} <= {"actors", "learner"}
+            continue
+        bad = imported_top_packages(f) & RULES[package]
+        assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_checker_sees_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import learner.train\nfrom actors.loop import run\n")
+    assert imported_top_packages(f) == {"learner", "actors"}
