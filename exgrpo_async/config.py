@@ -55,6 +55,9 @@ class DataConfig(_Strict):
     """Render prompts with the tokenizer's chat template (rows in verl format always carry messages)."""
     max_prompt_tokens: int = Field(1024, gt=0)
     """Questions whose prompt is longer than this are skipped and counted, as the authors do."""
+    skip_bad_rows: bool = False
+    """A malformed data row is an error naming file and row; true skips such rows instead (each one
+    logged and counted). MATH train (deepscaler_rllm/train/math.json) has 4 rows without an answer."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle of the training questions."""
 
@@ -175,7 +178,8 @@ class WeightSyncConfig(_Strict):
 
 class RunConfig(_Strict):
     output_dir: str = "runs/demo"
-    """Run folder: resolved config, metrics.jsonl, summary and the final Hugging Face model."""
+    """Parent of run folders: each run gets a new run-YYYYmmdd-HHMMSS folder here holding the resolved
+    config, metrics.jsonl, summary.json and the final Hugging Face model."""
     model: ModelConfig = ModelConfig()
     """The policy."""
     toy: ToyConfig = ToyConfig()

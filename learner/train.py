@@ -82,8 +82,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     backend = cfg.weight_sync.backend if cfg.weight_sync.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     model, tokenizer = load_policy(cfg.model.path, cfg.model.dtype, device)
     d = cfg.data
-    train_pool = load_pool(d.train_files, skip_bad_rows=True)
-    eval_pool = load_pool([d.eval_file], skip_bad_rows=True) if d.eval_file else None
+    train_pool = load_pool(d.train_files, skip_bad_rows=d.skip_bad_rows)
+    eval_pool = load_pool([d.eval_file], skip_bad_rows=d.skip_bad_rows) if d.eval_file else None
     if train_pool.skipped:
         log.warning("skipped %d bad training rows (first: %s)", len(train_pool.skipped), train_pool.skipped[0])
     render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tokenizer)  # noqa: E731

@@ -83,3 +83,12 @@ def test_every_field_has_a_docstring():
             if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]):
                 walk(ann, f"{prefix}{name}.")
     walk(RunConfig)
+
+
+def test_config_reference_doc_is_current():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    rc = subprocess.run([sys.executable, str(root / "ops" / "gen_config_doc.py"), "--check"]).returncode
+    assert rc == 0, "docs/config.md is stale: run ops/gen_config_doc.py"
