@@ -125,7 +125,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
 
         bar = tqdm(total=L.max_steps, desc="RL", unit="step", dynamic_ncols=True)
         t_start = time.time()
-        totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0}
+        totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
+                  "verify_errors": 0}
         version, opt_updates, first_sync_checked, n_syncs_seen = 0, 0, False, 0
         for step in range(1, L.max_steps + 1):
             t_step = time.time()
@@ -145,12 +146,15 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
 
             # 2) flatten into sequences with their group advantages (no std normalisation)
             seqs = []  # (prompt ids, completion ids, behaviour logprobs, advantage, staleness, group index)
-            rewards, staleness = [], []
+            rewards, staleness, truncated = [], [], 0
             for gi, (_, g) in enumerate(batch):
                 adv = group_advantages(g.rewards)
                 staleness.append(version - g.policy_version)
                 for c, a in zip(g.completions, adv):
                     rewards.append(c.reward)
+                    totals["verify_timeouts"] += c.verify_status == "timeout"
+                    totals["verify_errors"] += c.verify_status == "error"
+                    truncated += c.finish_reason == "length"
                     seqs.append((g.prompt_ids.tolist(), c.token_ids.tolist(), torch.from_numpy(c.logprobs.copy()),
                                  a, version - g.policy_version, gi))
             totals["rollouts"] += len(seqs)
@@ -228,7 +232,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 "logprob_diff_max": diff_max, "stale_dropped_total": totals["stale_dropped"],
                 "skipped_steps_total": totals["skipped_steps"], "actors": server.connected,
                 "rollouts_per_s": totals["rollouts"] / elapsed, "tokens_per_s": totals["tokens"] / elapsed,
-                "bad_messages_total": server.counters["bad_messages"],
+                "bad_messages_total": server.counters["bad_messages"], "truncated_frac": truncated / len(seqs),
+                "verify_timeouts_total": totals["verify_timeouts"], "verify_errors_total": totals["verify_errors"],
             }
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()

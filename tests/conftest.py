@@ -39,3 +39,13 @@ def _quiet_single_thread():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     torch.set_num_threads(1)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skip them (visibly) on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
