@@ -1,0 +1,233 @@
+"""ExGRPO's experience buffer: correct past trajectories per question, bucketed by success count.
+
+A library piece: it knows nothing about processes, torch or the learner loop, so another trainer can
+use it. Rules (docs/exgrpo-algorithm.md section 2-3, the authors' code as default):
+- `record(qid, k, correct)` after a group of K was scored: 1 <= k <= K-1 stores the question in
+  bucket k (last write wins) and appends its correct trajectories, de-duplicated by token ids;
+  k == 0 changes nothing; k == K retires the question for good (`retire`).
+- retired questions are excluded from sampling at once and leave the buffer at `end_step()`.
+- `sample_questions(n)`: bucket weights from a Gaussian over k (count units, mean K/2, sigma 1 by
+  default; the paper's accuracy-unit form with `units="accuracy"`), multinomial bucket counts capped
+  at bucket sizes with leftovers redistributed by the original weights, uniform without replacement
+  inside a bucket. `weighting="uniform"` samples questions uniformly (the "w/o question selection"
+  ablation).
+- memory: token ids int32 + log-probs float32 per token (8 bytes) plus a small per-trajectory
+  overhead (a 16-byte de-duplication hash among it). `max_trajectories` caps the total; eviction is FIFO over the whole buffer (the oldest
+  stored trajectory goes first; a question left with none leaves its bucket). None, the authors'
+  behaviour, never evicts.
+
+Example:
+    >>> import numpy as np
+    >>> buf = ExperienceBuffer(K=8, seed=0)
+    >>> t = Trajectory(np.array([5, 6, 2], np.int32), np.array([-0.1, -0.2, -0.05], np.float32), version=3)
+    >>> buf.record(qid=17, k=4, correct=[t, t])   # the duplicate is stored once
+    >>> buf.bucket_of(17), len(buf.trajectories(17))
+    (4, 1)
+    >>> buf.sample_questions(4)
+    [17]
+    >>> buf.record(qid=17, k=8, correct=[]); buf.end_step(); buf.num_questions
+    0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    token_ids: np.ndarray  # (T,) int32, the completion (EOS included)
+    logprobs: np.ndarray  # (T,) float32, pi_past per token
+    version: int  # policy version that generated it
+
+
+def bucket_weights(K: int, mu: float | None = None, sigma: float = 1.0,
+                   units: Literal["count", "accuracy"] = "count") -> dict[int, float]:
+    """Unnormalised Gaussian weight of each bucket k = 1..K-1."""
+    if units == "count":
+        m = K / 2 if mu is None else mu
+        return {k: math.exp(-0.5 * ((k - m) / sigma) ** 2) for k in range(1, K)}
+    m = 0.5 if mu is None else mu
+    return {k: math.exp(-0.5 * ((k / K - m) / sigma) ** 2) for k in range(1, K)}
+
+
+def _digest(token_ids: np.ndarray) -> bytes:
+    """De-duplication key: a 128-bit hash of the token ids (a copy of the ids would cost 4 B/token)."""
+    return hashlib.blake2b(np.ascontiguousarray(token_ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
+class ExperienceBuffer:
+    def __init__(self, K: int, max_trajectories: int | None = None, seed: int = 0):
+        if K < 2:
+            raise ValueError("K must be at least 2")
+        self.K, self.max_trajectories = K, max_trajectories
+        self.rng = random.Random(seed)
+        self._traj: dict[int, list[Trajectory]] = {}
+        self._keys: dict[int, set[bytes]] = {}
+        self._bucket_of: dict[int, int] = {}
+        self._buckets: dict[int, list[int]] = {k: [] for k in range(1, K)}
+        self._pos: dict[int, int] = {}  # qid -> index in its bucket list (O(1) removal)
+        self._fifo: deque[tuple[int, bytes]] = deque()  # insertion order, for eviction
+        self.retired: set[int] = set()
+        self.num_trajectories = 0
+        self.num_tokens = 0
+        self.evicted = 0
+
+    # ------------------------------------------------------------------ updates
+    def record(self, qid: int, k: int, correct: list[Trajectory]) -> None:
+        if not 0 <= k <= self.K:
+            raise ValueError(f"k={k} outside 0..{self.K}")
+        if k == self.K:
+            self.retire(qid)
+            return
+        if k == 0 or qid in self.retired:
+            return
+        self._move(qid, k)
+        store, keys = self._traj.setdefault(qid, []), self._keys.setdefault(qid, set())
+        for t in correct:
+            key = _digest(t.token_ids)
+            if key in keys:
+                continue
+            keys.add(key)
+            store.append(Trajectory(np.asarray(t.token_ids, np.int32), np.asarray(t.logprobs, np.float32), t.version))
+            self._fifo.append((qid, key))
+            self.num_trajectories += 1
+            self.num_tokens += len(t.token_ids)
+        self._evict()
+
+    def retire(self, qid: int) -> None:
+        """Permanent: the question leaves its bucket (so it is never sampled again) now, and its
+        trajectories leave the buffer at end_step()."""
+        self.retired.add(qid)
+        if qid in self._bucket_of:
+            self._remove_from_bucket(qid, self._bucket_of.pop(qid))
+
+    def end_step(self) -> None:
+        for qid in [q for q in self._traj if q in self.retired]:
+            self._drop(qid)
+
+    # ------------------------------------------------------------------ queries
+    def bucket_of(self, qid: int) -> int | None:
+        return self._bucket_of.get(qid)
+
+    def trajectories(self, qid: int) -> list[Trajectory]:
+        return self._traj.get(qid, [])
+
+    @property
+    def num_questions(self) -> int:
+        """Questions holding stored trajectories (retired ones until end_step)."""
+        return len(self._traj)
+
+    def bucket_sizes(self) -> dict[int, int]:
+        """Eligible questions per bucket (retired ones are never in a bucket)."""
+        return {k: len(qs) for k, qs in self._buckets.items()}
+
+    def sample_questions(self, n: int, weighting: Literal["gaussian", "uniform"] = "gaussian",
+                         mu: float | None = None, sigma: float = 1.0,
+                         units: Literal["count", "accuracy"] = "count") -> list[int]:
+        pools = {k: qs for k, qs in self._buckets.items() if qs}
+        if n <= 0 or not pools:
+            return []
+        if weighting == "uniform":
+            everyone = [q for qs in pools.values() for q in qs]
+            return self.rng.sample(everyone, min(n, len(everyone)))
+        w = bucket_weights(self.K, mu, sigma, units)
+        ks = sorted(pools)
+        total = sum(w[k] for k in ks)
+        p = [w[k] / total for k in ks]
+        counts = dict(zip(ks, np.random.default_rng(self.rng.getrandbits(32)).multinomial(n, p).tolist()))
+        leftover = 0
+        for k in ks:  # cap at bucket sizes
+            over = counts[k] - len(pools[k])
+            if over > 0:
+                counts[k] -= over
+                leftover += over
+        while leftover > 0:  # give leftovers back one at a time, by the original weights
+            room = [(k, pk) for k, pk in zip(ks, p) if counts[k] < len(pools[k])]
+            if not room:
+                break
+            k = self.rng.choices([k for k, _ in room], weights=[pk for _, pk in room])[0]
+            counts[k] += 1
+            leftover -= 1
+        out: list[int] = []
+        for k in ks:
+            if counts[k]:
+                out += self.rng.sample(pools[k], counts[k])
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _move(self, qid: int, k: int) -> None:
+        old = self._bucket_of.get(qid)
+        if old == k:
+            return
+        if old is not None:
+            self._remove_from_bucket(qid, old)
+        self._bucket_of[qid] = k
+        self._pos[qid] = len(self._buckets[k])
+        self._buckets[k].append(qid)
+
+    def _remove_from_bucket(self, qid: int, k: int) -> None:
+        lst, i = self._buckets[k], self._pos.pop(qid)
+        last = lst.pop()
+        if last != qid:
+            lst[i] = last
+            self._pos[last] = i
+
+    def _drop(self, qid: int) -> None:
+        if qid in self._bucket_of:
+            self._remove_from_bucket(qid, self._bucket_of.pop(qid))
+        for t in self._traj.pop(qid, []):
+            self.num_trajectories -= 1
+            self.num_tokens -= len(t.token_ids)
+        self._keys.pop(qid, None)
+
+    def _evict(self) -> None:
+        if self.max_trajectories is None:
+            return
+        while self.num_trajectories > self.max_trajectories:
+            qid, key = self._fifo.popleft()
+            store = self._traj.get(qid)
+            if store is None or key not in self._keys[qid]:
+                continue  # already gone with its retired question
+            i = next(j for j, t in enumerate(store) if _digest(t.token_ids) == key)
+            victim = store.pop(i)
+            self._keys[qid].discard(key)
+            self.num_trajectories -= 1
+            self.num_tokens -= len(victim.token_ids)
+            self.evicted += 1
+            if not store:
+                self._drop(qid)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Plain Python + numpy state; bucket order is kept so sampling continues identically."""
+        return {
+            "K": self.K, "max_trajectories": self.max_trajectories, "rng": self.rng.getstate(),
+            "retired": sorted(self.retired), "evicted": self.evicted,
+            "buckets": {k: list(qs) for k, qs in self._buckets.items()}, "fifo": list(self._fifo),
+            "trajectories": {qid: [(t.token_ids, t.logprobs, t.version) for t in ts] for qid, ts in self._traj.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__init__(state["K"], state["max_trajectories"])
+        for qid, ts in state["trajectories"].items():
+            self._traj[int(qid)] = [Trajectory(np.asarray(i, np.int32), np.asarray(lp, np.float32), v) for i, lp, v in ts]
+            self._keys[int(qid)] = {_digest(t.token_ids) for t in self._traj[int(qid)]}
+            for t in self._traj[int(qid)]:
+                self.num_trajectories += 1
+                self.num_tokens += len(t.token_ids)
+        for k, qs in state["buckets"].items():
+            self._buckets[int(k)] = [int(q) for q in qs]
+            for i, q in enumerate(self._buckets[int(k)]):
+                self._bucket_of[q], self._pos[q] = int(k), i
+        self._fifo = deque((int(q), bytes(key)) for q, key in state["fifo"])
+        self.retired = set(state["retired"])
+        self.evicted = state["evicted"]
+        self.rng.setstate(state["rng"])
