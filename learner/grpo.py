@@ -60,27 +60,43 @@ def scatter_completion(values: list[torch.Tensor], target_mask: torch.Tensor) ->
 
 
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float | None, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dr.GRPO token-sum PPO loss.
+                clip_eps: float | None, normalizer: float, replay_mask: torch.Tensor | None = None,
+                shaping_beta: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr.GRPO token-sum loss over fresh and (ExGRPO) replayed tokens.
 
-    logp, behaviour_logp, mask: (N, T); advantages: (N,). `clip_eps=None` disables clipping.
+    logp, behaviour_logp, mask, replay_mask: (N, T); advantages: (N,). For replayed rows the
+    `behaviour_logp` slot holds pi_past, so w = exp(logp - logp_past) is the same formula.
+    - fresh tokens: -A * r, PPO-clipped to [1-eps, 1+eps] unless `clip_eps` is None;
+    - replayed tokens (`replay_mask`): -A * f(w), f(w) = w / (w + beta) (policy shaping), or f(w) = w
+      when `shaping_beta` is None; never clipped.
     Returns the loss (already divided by `normalizer`) and detached statistics.
     """
     maskf = mask.float()
-    log_ratio = (logp - behaviour_logp) * maskf
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp((logp - behaviour_logp) * maskf)
     adv = advantages.unsqueeze(-1)
     per_token = -adv * ratio
+    fresh = mask if replay_mask is None else mask & ~replay_mask
+    freshf = fresh.float()
     clipped_frac = torch.zeros(())
     if clip_eps is not None:
         clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-        clipped_frac = ((clipped > per_token).float() * maskf).sum() / maskf.sum().clamp(min=1)
-        per_token = torch.maximum(per_token, clipped)
+        clipped_frac = ((clipped > per_token).float() * freshf).sum() / freshf.sum().clamp(min=1)
+        per_token = torch.where(fresh, torch.maximum(per_token, clipped), per_token)
+    stats: dict[str, float] = {}
+    if replay_mask is not None:
+        shaped = ratio / (ratio + shaping_beta) if shaping_beta is not None else ratio
+        per_token = torch.where(replay_mask, -adv * shaped, per_token)
+        rep = (replay_mask & mask).float()
+        n_rep = rep.sum()
+        stats["replay_w_mean"] = float((ratio.detach() * rep).sum() / n_rep.clamp(min=1))
+        stats["replay_w_max"] = float((ratio.detach() * rep).max()) if n_rep > 0 else 0.0
+        stats["replay_tokens"] = float(n_rep)
     loss = (per_token * maskf).sum() / normalizer
-    n_tok = maskf.sum().clamp(min=1)
-    stats = {
-        "ratio_mean": float((ratio.detach() * maskf).sum() / n_tok),
-        "ratio_max": float((ratio.detach() * maskf).max()) if mask.any() else 1.0,
+    n_fresh = freshf.sum().clamp(min=1)
+    stats.update({
+        "ratio_mean": float((ratio.detach() * freshf).sum() / n_fresh),
+        "ratio_max": float((ratio.detach() * freshf).max()) if fresh.any() else 1.0,
         "clip_frac": float(clipped_frac),
-    }
+        "tokens": float(maskf.sum()),
+    })
     return loss, stats

@@ -82,3 +82,30 @@ def test_scatter_completion_places_values_in_target_layout():
     p = pack_sequences([[1, 2], [1, 2, 3]], [[5, 6, 7], [8]], pad_id=0)
     out = scatter_completion([torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-4.0])], p["target_mask"])
     assert out.tolist() == [[0.0, -1.0, -2.0, -3.0], [0.0, 0.0, -4.0, 0.0]]
+
+
+def test_policy_shaping_gradient_is_beta_w_over_w_plus_beta_squared():
+    beta = 0.1
+    past = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    logp = torch.log(torch.tensor([[0.3, 0.6, 0.9]])).requires_grad_()
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    A = torch.tensor([0.75])
+    loss, stats = policy_loss(logp, past, A, mask, clip_eps=0.2, normalizer=1.0, replay_mask=mask, shaping_beta=beta)
+    loss.backward()
+    w = torch.exp(logp.detach() - past)
+    torch.testing.assert_close(logp.grad, -A * beta * w / (w + beta) ** 2)  # f'(w) * w = beta w / (w+beta)^2
+    assert stats["clip_frac"] == 0.0 and abs(stats["replay_w_max"] - float(w.max())) < 1e-6  # replay is never clipped
+
+
+def test_fresh_and_replayed_tokens_are_weighted_as_the_spec_says():
+    past_or_behav = torch.zeros(2, 2)
+    logp = torch.log(torch.tensor([[2.0, 2.0], [2.0, 2.0]])).requires_grad_()  # every ratio is 2
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    replay = torch.tensor([[True, True], [False, False]])  # row 0 replayed, row 1 fresh
+    A = torch.tensor([1.0, 1.0])
+    loss, _ = policy_loss(logp, past_or_behav, A, mask, clip_eps=0.2, normalizer=4.0, replay_mask=replay, shaping_beta=0.1)
+    # replayed: -f(2) = -2/2.1 per token, unclipped; fresh: clipped at 1.2 for A > 0
+    expected = (2 * (-2 / 2.1) + 2 * (-1.2)) / 4.0
+    assert abs(float(loss) - expected) < 1e-6
+    loss, _ = policy_loss(logp, past_or_behav, A, mask, clip_eps=None, normalizer=4.0, replay_mask=replay, shaping_beta=None)
+    assert abs(float(loss) - (4 * -2.0) / 4.0) < 1e-6  # no shaping, no clip: plain ratios
