@@ -43,13 +43,19 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """(N, L-1) log-prob of each next token under `model` (logits divided by the sampling temperature)."""
+                   temperature: float = 1.0, with_entropy: bool = False):
+    """(N, L-1) log-prob of each next token under `model` (logits divided by the sampling temperature);
+    with `with_entropy`, also the (N, L-1) entropy of each full next-token distribution."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp
+    probs = torch.softmax(logits, dim=-1)
+    entropy = lse - (probs * logits).sum(-1)  # H = logsumexp(z) - sum p z
+    return logp, entropy
 
 
 def scatter_completion(values: list[torch.Tensor], target_mask: torch.Tensor) -> torch.Tensor:

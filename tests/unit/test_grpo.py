@@ -109,3 +109,13 @@ def test_fresh_and_replayed_tokens_are_weighted_as_the_spec_says():
     assert abs(float(loss) - expected) < 1e-6
     loss, _ = policy_loss(logp, past_or_behav, A, mask, clip_eps=None, normalizer=4.0, replay_mask=replay, shaping_beta=None)
     assert abs(float(loss) - (4 * -2.0) / 4.0) < 1e-6  # no shaping, no clip: plain ratios
+
+
+def test_entropy_matches_definition():
+    torch.manual_seed(1)
+    m = Bigram()
+    ids = torch.tensor([[1, 4, 2, 7]])
+    logp, ent = token_logprobs(m, ids, torch.ones_like(ids), with_entropy=True)
+    p = torch.softmax(m.table[ids[0, :-1]], -1)
+    torch.testing.assert_close(ent[0], -(p * p.log()).sum(-1))
+    torch.testing.assert_close(logp, token_logprobs(m, ids, torch.ones_like(ids)))
