@@ -74,9 +74,10 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Me
 class WeightPublisher:
     """Learner side: keeps the latest packed weights and broadcasts them to one actor group at a time.
 
-    `publish` is called by the training loop after each optimizer step (it copies the parameters, so
-    training may continue while a send is in progress); `open_group`, `send` and `close_group` are called
-    from the sync thread only.
+    `publish` is called by the training loop after each optimizer step. It copies the parameters into
+    a persistent set of flat buffers (allocating once, not per step), never into a set that a send is
+    still using: `checkout` marks the set a sync job will send, `release` frees it. `open_group`,
+    `send` and `close_group` are called from the sync thread only.
     """
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, bucket_mb: int, timeout_s: float):
@@ -89,20 +90,46 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self.version = -1
         self.meta: Meta = []
-        self._flat: list[torch.Tensor] = []
+        self._sets: list[list[torch.Tensor]] = []  # flat bucket buffers, reused across versions
+        self._users: list[int] = []  # sync jobs holding each set
+        self._current = -1
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """Pack the given parameters (HF names) into flat buckets on the sync device; becomes `version`."""
         meta = plan_buckets(named, self.bucket_bytes)
         by_name = dict(named)
-        flat = [torch.cat([by_name[n].detach().reshape(-1) for n, _, _ in bucket]).to(self.device)
-                for bucket in meta]
         with self._lock:
-            self.version, self.meta, self._flat = version, meta, flat
+            if meta != self.meta:  # first publish, or the model changed shape: start over
+                self._sets, self._users, self._current = [], [], -1
+            free = [i for i in range(len(self._sets)) if i != self._current and self._users[i] == 0]
+        if free:
+            idx = free[0]
+        else:
+            idx = len(self._sets)
+            self._sets.append([torch.empty(sum(_numel(sh) for _, _, sh in b), dtype=getattr(torch, b[0][1]),
+                                           device=self.device) for b in meta])
+            self._users.append(0)
+        with torch.no_grad():
+            for buf, bucket in zip(self._sets[idx], meta):
+                torch.cat([by_name[n].detach().reshape(-1).to(buf.dtype) for n, _, _ in bucket], out=buf)
+        with self._lock:
+            self.version, self.meta, self._current = version, meta, idx
 
     def snapshot(self) -> tuple[int, Meta, list[torch.Tensor]]:
+        """Latest (version, meta, flat buckets), for reading now (no hold on the buffers)."""
         with self._lock:
-            return self.version, self.meta, self._flat
+            return self.version, self.meta, self._sets[self._current]
+
+    def checkout(self) -> tuple[int, Meta, list[torch.Tensor], int]:
+        """Like `snapshot`, but the buffers stay untouched by `publish` until `release(token)`."""
+        with self._lock:
+            self._users[self._current] += 1
+            return self.version, self.meta, self._sets[self._current], self._current
+
+    def release(self, token: int) -> None:
+        with self._lock:
+            if token < len(self._users):
+                self._users[token] -= 1
 
     def open_group(self, key: str, world_size: int) -> None:
         """Join a new actor's group as rank 0 (blocks until the actor's workers join)."""
@@ -139,19 +166,24 @@ class WeightReceiver:
                  device: torch.device, timeout_s: float):
         self.device = device
         self.pg = make_group(host, port, prefix, rank, world_size, backend, timeout_s)
+        self._bufs: list[torch.Tensor] = []  # kept across syncs: fresh large buffers cost page faults
+        self._plan: list[tuple[str, int]] = []
 
     def receive(self, meta: Meta) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) views while the next bucket is still in flight."""
-        def start(bucket):
-            numel = sum(_numel(shape) for _, _, shape in bucket)
-            buf = torch.empty(numel, dtype=getattr(torch, bucket[0][1]), device=self.device)
-            return buf, _broadcast(self.pg, buf)
+        plan = [(b[0][1], sum(_numel(shape) for _, _, shape in b)) for b in meta]
+        if plan != self._plan:
+            self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
+            self._plan = plan
 
-        pending = start(meta[0]) if meta else None
+        def start(i: int):
+            return self._bufs[i], _broadcast(self.pg, self._bufs[i])
+
+        pending = start(0) if meta else None
         for i, bucket in enumerate(meta):
             buf, work = pending
             work.wait()
-            pending = start(meta[i + 1]) if i + 1 < len(meta) else None
+            pending = start(i + 1) if i + 1 < len(meta) else None
             out, off = [], 0
             for name, _, shape in bucket:
                 n = _numel(shape)

@@ -85,7 +85,7 @@ def decode_rollouts(head: dict, frames: list) -> RolloutGroup:
     if not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rewards):
         raise WireError("rewards must be numbers in [0, 1]")
     total = sum(lens)
-    prompt_b, ids_b, lps_b = (memoryview(f) for f in frames)
+    prompt_b, ids_b, lps_b = (memoryview(f).cast("B") for f in frames)  # byte views, whatever the source
     if len(prompt_b) % 4 or len(ids_b) != 4 * total or len(lps_b) != 4 * total:
         raise WireError(f"array frame sizes {len(prompt_b)}/{len(ids_b)}/{len(lps_b)} do not match lens (sum {total})")
     prompt = np.frombuffer(prompt_b, dtype=np.int32)

@@ -92,8 +92,8 @@ class LearnerServer:
         elif kind == "rollouts":
             self._rollouts(info, head, frames[1:])
         elif kind == "sync":
-            version, meta, flat = self.publisher.snapshot()
-            self._jobs.put(("send", info.group_key, flat, version))
+            version, meta, flat, token = self.publisher.checkout()
+            self._jobs.put(("send", info.group_key, flat, token))
             self.sock.send(peer, encode_control("sync", version=version, meta=meta))
             info.version = version
         elif kind == "bye":
@@ -161,7 +161,10 @@ class LearnerServer:
                 if job[0] == "open":
                     self.publisher.open_group(job[1], job[2])
                 elif job[0] == "send":
-                    self.sync_seconds.append(self.publisher.send(job[1], job[2]))
+                    try:
+                        self.sync_seconds.append(self.publisher.send(job[1], job[2]))
+                    finally:
+                        self.publisher.release(job[3])
                 elif job[0] == "close":
                     self.publisher.close_group(job[1])
             except Exception as e:  # a peer that died mid-sync must not take the learner down

@@ -172,3 +172,38 @@ def test_close_is_idempotent_and_stops_workers() -> None:
         _wait_dead(pid, timeout_s=2)
     with pytest.raises(RuntimeError):
         v.score(NORMAL)
+
+
+FAST_CASES = [
+    ("50+60=110,\\boxed{110}<eos>", "110", False),
+    ("\\boxed{-7}", "-7", False),
+    ("\\boxed{025}", "25", False),
+    ("\\boxed{ 42 }", "42", False),
+    ("\\boxed{43}", "42", False),
+    ("so \\boxed{5}, but \\boxed{3}", "3", False),      # two boxes: math-verify decides (set answer)
+    ("\\boxed{1,000}", "1000", False),                 # not a plain int: math-verify decides
+    ("\\boxed{\\frac{1}{2}}", "1", False),
+    ("\\boxed{12}", "\\frac{24}{2}", False),           # gold not an int: math-verify decides
+    ("no box, answer is 12", "12", False),
+    ("x</think> \\boxed{9}", "9", True),
+    ("\\boxed{9} with no think end", "9", True),
+    ("x #### 18", "#### 18", False),
+]
+
+
+@pytest.mark.parametrize("text, gold, think", FAST_CASES)
+def test_fast_integer_path_agrees_with_math_verify(text, gold, think):
+    from actors.verifier import fast_integer_score
+
+    fast = fast_integer_score(text, gold, think)
+    if fast is not None:
+        assert fast == score_answer(text, gold, think)
+
+
+def test_fast_integer_path_is_taken_for_plain_integer_boxes():
+    from actors.verifier import fast_integer_score
+
+    assert fast_integer_score("\\boxed{110}", "110", False) == 1.0
+    assert fast_integer_score("\\boxed{111}", "110", False) == 0.0
+    assert fast_integer_score("\\boxed{5}, \\boxed{3}", "3", False) is None
+    assert fast_integer_score("\\boxed{9}", "9", True) == 0.0  # required </think> missing
