@@ -6,11 +6,13 @@ float32 log-probs, a 64-token prompt):
   over TCP loopback to the main process (the learner side: `LearnerSocket.recv` + `decode_header` +
   `decode_rollouts`, i.e. a full decode into a `RolloutGroup`). The clock runs on the receiver, from the
   "go" it sends to the last group decoded; encode, transfer and decode are all inside it.
+- pre-enc: the same with frames encoded before timing (sender only sends): the encode cost taken out.
 - memcpy: the same frames copied in one process (`np.copy` of each array frame, `bytes` of the header),
   the ceiling any transport of these bytes can approach on this machine.
 - codec: encode_rollouts + decode_header + decode_rollouts in one process, no socket (per-group cost).
-Bytes counted per group = the three array frames + the msgpack header. The groups are built before
-timing (a pool of 64 distinct groups, sent round-robin). Median of 3 repeats.
+ratio = zmq MB/s / memcpy MB/s. Bytes counted per group = the three array frames + the msgpack header.
+The groups are built before timing: a pool of distinct groups (64 MB, twice the L3 cache) sent
+round-robin. Median of 5 repeats.
 Target: >= 1000 MB/s between two processes for 4096-token completions.
 
     .venv/bin/python ops/bench/transport.py [--out bench_out/transport.json]
@@ -31,8 +33,14 @@ from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.transport import ActorSocket, LearnerSocket
 from exgrpo_async.wire import decode_header, decode_rollouts, encode_control, encode_rollouts
 
-K, PROMPT_TOKENS, POOL, REPEATS, TARGET_MBS = 8, 64, 64, 3, 1000.0
-GROUPS = {512: 8000, 4096: 2000}  # groups sent per repeat: 256 MB and 512 MB of arrays
+REPO = Path(__file__).resolve().parents[2]
+K, PROMPT_TOKENS, REPEATS, TARGET_MBS = 8, 64, 5, 1000.0
+POOL_BYTES = 64 << 20  # distinct groups cycled through: twice this machine's 32 MiB L3, so copies are not cache-hot
+GROUPS = {512: 40000, 4096: 8000}  # groups sent per repeat: about 1.3 GB and 2.1 GB
+
+
+def pool_size(tokens: int) -> int:
+    return max(64, POOL_BYTES // (K * tokens * 8))
 
 
 def make_groups(tokens: int, n: int, seed: int = 0) -> list[RolloutGroup]:
@@ -51,22 +59,24 @@ def group_bytes(group: RolloutGroup) -> int:
     return len(frames[0]) + sum(f.nbytes for f in frames[1:])
 
 
-def sender(address: str, tokens: int, n_groups: int) -> None:
-    """Actor side, in its own process: wait for "go", then stream n_groups encoded groups."""
-    pool = make_groups(tokens, POOL, seed=1)
+def sender(address: str, tokens: int, n_groups: int, pre_encode: bool) -> None:
+    """Actor side, in its own process: wait for "go", then stream n_groups groups (encoded in the loop
+    like the actor does, or pre-encoded to take the encode cost out)."""
+    pool = make_groups(tokens, pool_size(tokens), seed=1)
+    frames = [encode_rollouts(g) for g in pool] if pre_encode else None
     sock = ActorSocket(address)
     go, _ = sock.request(encode_control("ready"), timeout_s=60)
     assert go["t"] == "go"
     for i in range(n_groups):
-        sock.send(encode_rollouts(pool[i % POOL]))
+        sock.send(frames[i % len(frames)] if frames else encode_rollouts(pool[i % len(pool)]))
     sock.request(encode_control("sent"), timeout_s=120)  # the receiver acks once every group is decoded
     sock.close()
 
 
-def zmq_run(tokens: int, n_groups: int) -> float:
+def zmq_run(tokens: int, n_groups: int, pre_encode: bool = False) -> float:
     """Seconds for n_groups to travel and be fully decoded, measured on the receiver."""
     learner = LearnerSocket("127.0.0.1", 0, 256 << 20)
-    proc = mp.get_context("spawn").Process(target=sender, args=(learner.address, tokens, n_groups))
+    proc = mp.get_context("spawn").Process(target=sender, args=(learner.address, tokens, n_groups, pre_encode))
     proc.start()
     try:
         got = learner.recv(120_000)
@@ -124,14 +134,16 @@ def codec_run(groups: list[RolloutGroup], n_groups: int) -> tuple[float, float]:
 
 def bench(tokens: int) -> dict:
     n = GROUPS[tokens]
-    groups = make_groups(tokens, POOL, seed=1)
+    groups = make_groups(tokens, pool_size(tokens), seed=1)
     nbytes = statistics.mean(group_bytes(g) for g in groups)
     zmq_runs = [zmq_run(tokens, n) for _ in range(REPEATS)]
+    pre_runs = [zmq_run(tokens, n, pre_encode=True) for _ in range(REPEATS)]
     mem_runs = [memcpy_run(groups, n) for _ in range(REPEATS)]
     enc, dec = min((codec_run(groups, min(n, 1000)) for _ in range(REPEATS)), key=sum)
-    z, m = statistics.median(zmq_runs), statistics.median(mem_runs)
+    z, m, p = (statistics.median(x) for x in (zmq_runs, mem_runs, pre_runs))
     return {
         "tokens": tokens, "groups": n, "bytes_per_group": nbytes, "zmq_seconds": zmq_runs, "memcpy_seconds": mem_runs,
+        "zmq_pre_encoded_seconds": pre_runs, "zmq_pre_encoded_mb_per_s": n * nbytes / p / 1e6,
         "zmq_groups_per_s": n / z, "zmq_rollouts_per_s": n * K / z, "zmq_mb_per_s": n * nbytes / z / 1e6,
         "memcpy_mb_per_s": n * nbytes / m / 1e6, "ratio": m / z,
         "encode_us_per_group": enc * 1e6, "decode_us_per_group": dec * 1e6,
@@ -140,14 +152,15 @@ def bench(tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_out/transport.json")
+    ap.add_argument("--out", default=str(REPO / "bench_out" / "transport.json"))
     args = ap.parse_args()
     rows = [bench(t) for t in (512, 4096)]
-    print(f"{'tokens':>7} {'KB/group':>9} {'groups/s':>9} {'rollouts/s':>11} {'zmq MB/s':>9} "
+    print(f"{'tokens':>7} {'KB/group':>9} {'groups/s':>9} {'rollouts/s':>11} {'zmq MB/s':>9} {'pre-enc MB/s':>13} "
           f"{'memcpy MB/s':>12} {'ratio':>6} {'enc us':>7} {'dec us':>7}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['bytes_per_group'] / 1024:>9.1f} {r['zmq_groups_per_s']:>9.0f} "
-              f"{r['zmq_rollouts_per_s']:>11.0f} {r['zmq_mb_per_s']:>9.0f} {r['memcpy_mb_per_s']:>12.0f} "
+              f"{r['zmq_rollouts_per_s']:>11.0f} {r['zmq_mb_per_s']:>9.0f} {r['zmq_pre_encoded_mb_per_s']:>13.0f} "
+              f"{r['memcpy_mb_per_s']:>12.0f} "
               f"{r['ratio']:>6.3f} {r['encode_us_per_group']:>7.1f} {r['decode_us_per_group']:>7.1f}")
     big = next(r for r in rows if r["tokens"] == 4096)
     ok = big["zmq_mb_per_s"] >= TARGET_MBS
