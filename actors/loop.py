@@ -77,17 +77,27 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0) ->
                 gen_s = time.perf_counter() - t0
                 stats["gen_seconds"] += gen_s
 
-                # verify every completion of the batch in one pool call
+                # verify every completion of the batch in one pool call, replayed trajectories (ExGRPO) too
                 texts = [(tokenizer.decode(s.token_ids.tolist(), skip_special_tokens=False), it["answer"])
                          for it, (_, samples) in zip(group_items, outs) for s in samples]
-                scores = iter(verifier.score(texts))
-                for it, (prompt_ids, samples) in zip(group_items, outs):
+                replays = [(i, np.frombuffer(it["replay_ids"], dtype="<i4")) for i, it in enumerate(group_items)
+                           if isinstance(it.get("replay_ids"), bytes)]
+                texts += [(tokenizer.decode(ids.tolist(), skip_special_tokens=False), group_items[i]["answer"])
+                          for i, ids in replays]
+                all_scores = verifier.score(texts)
+                n_fresh = len(all_scores) - len(replays)
+                replay_scores = {i: all_scores[n_fresh + j] for j, (i, _) in enumerate(replays)}
+                scores = iter(all_scores[:n_fresh])
+                for gi, (it, (prompt_ids, samples)) in enumerate(zip(group_items, outs)):
                     comps = []
                     for s in samples:
                         reward, status = next(scores)
                         comps.append(Completion(s.token_ids, s.logprobs, reward, s.finish_reason, status))
+                    extra = {}
+                    if gi in replay_scores:
+                        extra = {"replay_reward": replay_scores[gi][0], "replay_status": replay_scores[gi][1]}
                     group = RolloutGroup(it["work_id"], it["question_id"], np.asarray(prompt_ids, dtype=np.int32),
-                                         comps, engine.policy_version, actor_id, it["purpose"], gen_s)
+                                         comps, engine.policy_version, actor_id, it["purpose"], gen_s, extra)
                     sock.send(encode_rollouts(group))
                     stats["groups"] += 1
                     stats["tokens"] += group.num_tokens

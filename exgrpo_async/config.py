@@ -154,6 +154,47 @@ class LearnerConfig(_Strict):
     """Learner seed (question order, torch)."""
 
 
+class ExGRPOConfig(_Strict):
+    enabled: bool = False
+    """Turn on ExGRPO experience replay; false trains plain on-policy Dr.GRPO."""
+    rho: float = Field(0.5, ge=0, le=1)
+    """Share of each step's B questions that may be experience questions (floor(rho*B))."""
+    delayed_start: bool = True
+    """Collect and replay only after a step whose batch pass@1 exceeds `start_threshold` (one-way).
+    False: active from step 1 (the paper's Llama setting)."""
+    start_threshold: float = Field(0.35, ge=0, le=1)
+    """Batch pass@1 that switches on collection and replay."""
+    question_weighting: Literal["gaussian", "uniform"] = "gaussian"
+    """Bucket sampler: Gaussian weights over k, or uniform over questions (the "w/o question selection" ablation)."""
+    sigma: float = Field(1.0, gt=0)
+    """Gaussian sigma, in the units of `units`."""
+    mu: float | None = None
+    """Gaussian mean; None = K/2 in count units, 0.5 in accuracy units."""
+    units: Literal["count", "accuracy"] = "count"
+    """"count": N(k; K/2, 1), the authors' code (default). "accuracy": N(k/K; 0.5, 1), the paper's text."""
+    selection: Literal["lowest_entropy", "highest_entropy", "random"] = "lowest_entropy"
+    """Which stored trajectory of a chosen question is replayed (ablations: random, highest)."""
+    selection_metric: Literal["entropy", "nll"] = "entropy"
+    """Mean token entropy under the current policy (paper text) or mean negative log-likelihood."""
+    shaping_beta: float | None = 0.1
+    """Policy shaping f(w) = w/(w+beta) on replayed tokens; None = f(w) = w (the "w/o shaping" ablation)."""
+    importance_correction: bool = True
+    """w = pi_theta/pi_past on replayed tokens; false replaces pi_past by the current recompute (ablation)."""
+    pi_past: Literal["learner", "behaviour"] = "learner"
+    """Stored per-token log-probs: the learner's recompute at the step the trajectory was trained
+    (the authors'), or vLLM's sampling log-probs."""
+    retire: bool = True
+    """Retire questions solved K/K (out of replay at once, out of the fresh pool at the next epoch)."""
+    max_trajectories: int | None = None
+    """Cap on stored trajectories (FIFO eviction); None never evicts (the authors')."""
+    clip_after_switch: bool = False
+    """Keep the PPO clip on fresh tokens after the switch (the authors remove it)."""
+    entropy_coef: float = Field(0.001, ge=0)
+    """Entropy bonus (token mean over each micro-batch) while ExGRPO is enabled."""
+    selection_batch_sequences: int = Field(64, gt=0)
+    """Sequences per no-grad forward when scoring stored trajectories."""
+
+
 class TransportConfig(_Strict):
     host: str = "127.0.0.1"
     """Address the learner binds for actors. 127.0.0.1 unless actors run on other hosts."""
@@ -192,6 +233,8 @@ class RunConfig(_Strict):
     """Actor processes."""
     learner: LearnerConfig = LearnerConfig()
     """The learner process and the GRPO update."""
+    exgrpo: ExGRPOConfig = ExGRPOConfig()
+    """Experience replay (ExGRPO)."""
     transport: TransportConfig = TransportConfig()
     """Rollout and work transport (ZeroMQ)."""
     weight_sync: WeightSyncConfig = WeightSyncConfig()

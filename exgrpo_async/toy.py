@@ -180,7 +180,7 @@ def sft(model, tokenizer, seconds: float, exclude: set[str], seed: int, lr: floa
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_v = float(loss)
+        loss_v = float(loss.detach())
         step += 1
         if log_every and step % log_every == 0:
             print(f"[sft] step {step} loss {loss_v:.3f} ({time.time() - t0:.0f}s)", flush=True)

@@ -2,8 +2,10 @@
 
 Actors ask for work; the dispatcher answers from, in order of priority:
 1. evaluation items (held-out questions, scored but never trained on);
-2. re-issued training questions (their rollouts were dropped as too stale, or their actor left);
-3. the next question of the shuffled training pool.
+2. ExGRPO experience items: K-1 fresh samples of a buffered question, sent with the trajectory that
+   will be replayed beside them (the actor re-verifies it);
+3. re-issued training questions (their rollouts were dropped as too stale, or their actor left);
+4. the next question of the shuffled training pool.
 Training work is admitted only while `dispatched <= (version + 1 + max_staleness) * B` (AReaL-style
 admission): rollouts are not generated in the first place if they could not be trained on within
 `max_staleness` versions. Every dispatched item stays in `outstanding` until its rollouts arrive, so
@@ -18,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from exgrpo_async.rollout import Purpose
 
@@ -32,16 +35,20 @@ class WorkItem:
     actor_id: str = ""
     dispatched_at: float = 0.0
     min_version: int = 0
+    replay: Any = None  # ExGRPO: the stored trajectory replayed beside the n fresh samples
 
 
 class Dispatcher:
-    def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int):
+    def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int,
+                 exclude_questions=None):
         self._next_question = next_question  # callable -> question id (the epoch sampler)
+        self._exclude_questions = exclude_questions  # callable(set of ids): drop from later epochs
         self.B, self.K, self.temperature, self.eta = questions_per_step, samples, temperature, max_staleness
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._retry: deque[int] = deque()
         self._eval: deque[WorkItem] = deque()
+        self._experience: deque[WorkItem] = deque()
         self.outstanding: dict[int, WorkItem] = {}
         self.version = 0
         self.train_dispatched = 0  # training questions handed out, re-issues included
@@ -62,6 +69,11 @@ class Dispatcher:
             while self._eval and len(out) < max_items and self._eval[0].min_version <= actor_version:
                 item = self._eval.popleft()
                 item.work_id, item.actor_id, item.dispatched_at = next(self._ids), actor_id, now
+                out.append(item)
+            while self._experience and len(out) < max_items and self.capacity() > 0:
+                item = self._experience.popleft()
+                item.work_id, item.actor_id, item.dispatched_at = next(self._ids), actor_id, now
+                self.train_dispatched += 1
                 out.append(item)
             while len(out) < max_items and self.capacity() > 0:
                 qid = self._retry.popleft() if self._retry else self._next_question()
@@ -86,20 +98,41 @@ class Dispatcher:
     def release_actor(self, actor_id: str) -> int:
         """Re-issue everything an actor held (it left or died); returns how many items."""
         with self._lock:
-            mine = [w for w in self.outstanding.values() if w.actor_id == actor_id]
+            mine = sorted((w for w in self.outstanding.values() if w.actor_id == actor_id), key=lambda w: w.work_id)
             for w in mine:
                 del self.outstanding[w.work_id]
                 if w.purpose == "train":
-                    self._retry.append(w.question_id)
                     self.train_dispatched -= 1
-                else:
-                    self._eval.appendleft(w)
+                    if w.replay is None:
+                        self._retry.append(w.question_id)
+            # experience and eval items go back to the front of their queues, in their original order
+            self._experience.extendleft(reversed([w for w in mine if w.replay is not None]))
+            self._eval.extendleft(reversed([w for w in mine if w.purpose == "eval"]))
         return len(mine)
 
     def add_eval(self, question_ids: list[int], n: int, temperature: float, min_version: int) -> None:
         with self._lock:
             for qid in question_ids:
                 self._eval.append(WorkItem(0, qid, n, "eval", temperature, min_version=min_version))
+
+    def add_experience(self, plan: list[tuple[int, Any]], n: int) -> None:
+        """Queue experience questions: (question id, trajectory to replay), each with n fresh samples."""
+        with self._lock:
+            for qid, traj in plan:
+                self._experience.append(WorkItem(0, qid, n, "train", self.temperature, replay=traj))
+
+    def experience_in_flight(self) -> set[int]:
+        """Question ids of experience items queued or dispatched and not yet returned."""
+        with self._lock:
+            return {w.question_id for w in self._experience} | {
+                w.question_id for w in self.outstanding.values() if w.replay is not None}
+
+    def retire(self, question_ids: set[int]) -> None:
+        """Retired questions leave the fresh pool from the next epoch on (under the dispatch lock,
+        because the sampler is also read by the server thread)."""
+        if question_ids and self._exclude_questions is not None:
+            with self._lock:
+                self._exclude_questions(question_ids)
 
     def trained(self, n_questions: int, version: int) -> None:
         """The loop trained on `n_questions` and moved to `version`."""

@@ -131,8 +131,11 @@ class LearnerServer:
         for it in items:
             pool = "eval" if it.purpose == "eval" else "train"
             q = self.questions[pool][it.question_id]
-            payload.append({"work_id": it.work_id, "question_id": it.question_id, "prompt": self.prompts[pool][it.question_id],
-                            "answer": q.answer, "n": it.n, "temperature": it.temperature, "purpose": it.purpose})
+            entry = {"work_id": it.work_id, "question_id": it.question_id, "prompt": self.prompts[pool][it.question_id],
+                     "answer": q.answer, "n": it.n, "temperature": it.temperature, "purpose": it.purpose}
+            if it.replay is not None:  # ExGRPO: the actor re-verifies the replayed trajectory
+                entry["replay_ids"] = it.replay.token_ids.astype("<i4").tobytes()
+            payload.append(entry)
         self.sock.send(peer, encode_control("work", items=payload, version=latest,
                                             max_tokens=self.cfg.rollout.max_new_tokens))
 
@@ -149,6 +152,13 @@ class LearnerServer:
                 self.dispatcher.reissue(item.question_id)
             log.warning("work %d came back with %d of %d samples; re-issued", item.work_id, len(group.completions), item.n)
             return
+        if item.replay is not None:
+            r = group.extra.get("replay_reward")
+            if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
+                self.counters["bad_messages"] += 1
+                self.dispatcher.reissue(item.question_id)
+                log.warning("experience work %d came back without a valid replay reward; re-issued", item.work_id)
+                return
         self.inbox.put((item, group))
 
     # ------------------------------------------------------------------ sync thread

@@ -19,20 +19,51 @@ import math
 import queue
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
+from learner.buffer import ExperienceBuffer, Trajectory
 from learner.dispatch import Dispatcher, WorkItem
 from learner.grpo import group_advantages, pack_sequences, policy_loss, scatter_completion, token_logprobs
 from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
+from learner.replay import select_replays
 from learner.server import LearnerServer
 
 log = logging.getLogger("exgrpo_async.learner")
+
+
+@dataclass
+class Seq:
+    """One completion as the update sees it."""
+
+    prompt: list[int]
+    completion: list[int]
+    logprobs: torch.Tensor  # behaviour log-probs (fresh) or pi_past (replayed), per completion token
+    advantage: float
+    staleness: int  # learner version minus the version that generated it
+    group: int  # index of its group in the batch
+    replay: bool  # an ExGRPO replayed trajectory (off-policy tokens)
+    collect: bool  # goes into the experience buffer after this step
+
+
+@torch.no_grad()
+def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, batch: int, temperature: float) -> dict:
+    """Per-completion log-probs under the model as it is now (before the step's first update)."""
+    out = {}
+    for j in range(0, len(seqs), batch):
+        chunk = seqs[j:j + batch]
+        packed = pack_sequences([s.prompt for s in chunk], [s.completion for s in chunk], pad_id)
+        logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device), temperature)
+        for r, key in enumerate(keys[j:j + batch]):
+            out[key] = logp[r][packed["target_mask"][r].to(device)].float().cpu()
+    return out
 
 
 class Inbox:
@@ -78,7 +109,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.learner.seed)
-    random.seed(cfg.learner.seed)
+    rng = random.Random(cfg.learner.seed)
     backend = cfg.weight_sync.backend if cfg.weight_sync.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     model, tokenizer = load_policy(cfg.model.path, cfg.model.dtype, device)
     d = cfg.data
@@ -103,7 +134,12 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     K, B, L_max = cfg.rollout.samples_per_question, L.questions_per_step, cfg.rollout.max_new_tokens
 
     # --- process shell: dispatcher, weight publisher, server; version 0 is published first ---------
-    dispatcher = Dispatcher(sampler.next, B, K, cfg.rollout.temperature, L.max_staleness)
+    dispatcher = Dispatcher(sampler.next, B, K, cfg.rollout.temperature, L.max_staleness, sampler.exclude)
+    X = cfg.exgrpo  # experience replay (ExGRPO); everything below guarded by X.enabled
+    buffer = ExperienceBuffer(K, X.max_trajectories, seed=L.seed)
+    prompt_ids_of: dict[int, list[int]] = {}  # question id -> prompt token ids, for replay scoring
+    bucket_at_selection: dict[int, int] = {}
+    mixed = X.enabled and not X.delayed_start  # the delayed-start switch (one-way)
     publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
                                 device if backend == "nccl" else torch.device("cpu"),
                                 cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
@@ -144,52 +180,88 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 batch.append((item, group))
             t_wait = time.time() - t_step
 
-            # 2) flatten into sequences with their group advantages (no std normalisation)
-            seqs = []  # (prompt ids, completion ids, behaviour logprobs, advantage, staleness, group index)
+            # 2) flatten into sequences; an experience group is its replayed trajectory + K-1 fresh samples
+            collecting = mixed  # the switch fired at the end of an earlier step
+            seqs: list[Seq] = []
+            groups = []  # (question id, k correct, group size, prompt ids, policy version)
             rewards, staleness, truncated = [], [], 0
-            for gi, (_, g) in enumerate(batch):
-                adv = group_advantages(g.rewards)
+            for gi, (item, g) in enumerate(batch):
+                comps = [(c.token_ids, c.logprobs, c.reward, False) for c in g.completions]
+                if item.replay is not None:
+                    comps.insert(0, (item.replay.token_ids, item.replay.logprobs, float(g.extra["replay_reward"]), True))
+                group_rewards = [c[2] for c in comps]
+                adv = group_advantages(group_rewards)
+                k = sum(1 for r in group_rewards if r >= 1.0)
+                groups.append((item.question_id, k, len(comps), g.prompt_ids.tolist(), g.policy_version))
                 staleness.append(version - g.policy_version)
-                for c, a in zip(g.completions, adv):
-                    rewards.append(c.reward)
+                for c in g.completions:
                     totals["verify_timeouts"] += c.verify_status == "timeout"
                     totals["verify_errors"] += c.verify_status == "error"
                     truncated += c.finish_reason == "length"
-                    seqs.append((g.prompt_ids.tolist(), c.token_ids.tolist(), torch.from_numpy(c.logprobs.copy()),
-                                 a, version - g.policy_version, gi))
+                for (ids, lps, reward, replay), a in zip(comps, adv):
+                    rewards.append(reward)
+                    collect = collecting and not replay and reward >= 1.0 and 0 < k < len(comps)
+                    seqs.append(Seq(g.prompt_ids.tolist(), ids.tolist(), torch.from_numpy(lps.copy()), a,
+                                    version - g.policy_version, gi, replay, collect))
             totals["rollouts"] += len(seqs)
-            step_tokens = sum(len(s[1]) for s in seqs)
+            step_tokens = sum(len(s.completion) for s in seqs if not s.replay)
             totals["tokens"] += step_tokens
 
             # 3) the update: M mini-batches of B/M groups, each one optimizer step
             t_train = time.time()
             model.train()
             mb_groups = B // L.minibatches_per_step
+            clip = L.clip_eps if L.clip_eps > 0 and (not mixed or X.clip_after_switch) else None
+            entropy_coef = X.entropy_coef if X.enabled else 0.0
+            # pi_past of trajectories collected this step: the learner's log-probs before this step's
+            # update (the authors' choice); mini-batch 0 provides them in its forward, later ones first
+            # get a no-grad recompute here.
+            pi_past: dict[int, torch.Tensor] = {}
+            if X.pi_past == "learner":
+                late = [i for i, s in enumerate(seqs) if s.collect and s.group >= mb_groups]
+                pi_past.update(recompute_logps(model, [seqs[i] for i in late], late, tokenizer.pad_token_id or 0,
+                                               device, L.micro_batch_sequences, cfg.rollout.temperature))
             losses, norms, stats_acc, diff_max = [], [], [], None
             for mb in range(L.minibatches_per_step):
-                mb_seqs = [s for s in seqs if mb * mb_groups <= s[5] < (mb + 1) * mb_groups]
-                normalizer = float(len(mb_seqs) * L_max)
-                live = [s for s in mb_seqs if s[3] != 0.0 or not L.drop_zero_advantage]
+                mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
+                normalizer = float(len(mb_idx) * L_max)
+                # zero-advantage sequences add nothing to the policy gradient (but to the entropy bonus)
+                live = [i for i in mb_idx if seqs[i].advantage != 0.0 or not L.drop_zero_advantage or entropy_coef > 0]
                 opt.zero_grad(set_to_none=True)
                 mb_loss = 0.0
-                for i in range(0, len(live), L.micro_batch_sequences):
-                    micro = live[i:i + L.micro_batch_sequences]
-                    packed = pack_sequences([s[0] for s in micro], [s[1] for s in micro], tokenizer.pad_token_id or 0)
-                    mask = packed["target_mask"]
-                    logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                                         cfg.rollout.temperature)
-                    behav = scatter_completion([s[2] for s in micro], mask).to(device)
-                    adv = torch.tensor([s[3] for s in micro], dtype=torch.float32, device=device)
-                    clip = L.clip_eps if L.clip_eps > 0 else None
-                    loss, st = policy_loss(logp, behav, adv, mask.to(device), clip, normalizer)
+                for j in range(0, len(live), L.micro_batch_sequences):
+                    idx = live[j:j + L.micro_batch_sequences]
+                    micro = [seqs[i] for i in idx]
+                    packed = pack_sequences([s.prompt for s in micro], [s.completion for s in micro], tokenizer.pad_token_id or 0)
+                    mask = packed["target_mask"].to(device)
+                    out = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
+                                         cfg.rollout.temperature, with_entropy=entropy_coef > 0)
+                    logp, entropy = out if entropy_coef > 0 else (out, None)
+                    behav = scatter_completion([s.logprobs for s in micro], packed["target_mask"]).to(device)
+                    replay_rows = torch.tensor([s.replay for s in micro], device=device)
+                    if not X.importance_correction and replay_rows.any():  # ablation: pi_past := current recompute
+                        behav = torch.where(replay_rows.unsqueeze(-1), logp.detach(), behav)
+                    adv = torch.tensor([s.advantage for s in micro], dtype=torch.float32, device=device)
+                    loss, st = policy_loss(logp, behav, adv, mask, clip, normalizer,
+                                           replay_mask=replay_rows.unsqueeze(-1) & mask if X.enabled else None,
+                                           shaping_beta=X.shaping_beta)
+                    if entropy is not None:
+                        ent_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
+                        loss = loss - entropy_coef * ent_mean
+                        st["entropy"] = float(ent_mean.detach())
                     loss.backward()
                     mb_loss += float(loss.detach())
                     stats_acc.append(st)
-                    if mb == 0:  # before any update this step: learner vs vLLM on the same weights
-                        fresh = torch.tensor([s[4] == 0 for s in micro], device=device).unsqueeze(-1) & mask.to(device)
-                        if fresh.any():
+                    if mb == 0:  # before any update this step
+                        fresh_rows = torch.tensor([s.staleness == 0 and not s.replay for s in micro], device=device)
+                        fresh = fresh_rows.unsqueeze(-1) & mask
+                        if fresh.any():  # learner vs vLLM on the same weights
                             d_ = float(((logp.detach() - behav).abs() * fresh).max())
                             diff_max = d_ if diff_max is None else max(diff_max, d_)
+                        if X.pi_past == "learner":
+                            for r, i in enumerate(idx):
+                                if seqs[i].collect:
+                                    pi_past[i] = logp.detach()[r][mask[r]].float().cpu()
                 gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), L.grad_clip))
                 norms.append(gn)
                 losses.append(mb_loss)
@@ -204,6 +276,57 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 opt.step()
             model.eval()
             t_train = time.time() - t_train
+
+            # 3b) ExGRPO bookkeeping: retire K/K questions, collect correct trajectories of partly solved
+            # ones, flip the delayed-start switch, and choose next steps' experience questions
+            ex: dict = {}
+            if X.enabled:
+                newly_retired = set()
+                for gi, (qid, k, size, prompt, pv) in enumerate(groups):
+                    if X.retire and k == size:
+                        buffer.retire(qid)
+                        newly_retired.add(qid)
+                    elif collecting and 0 < k < size:
+                        prompt_ids_of[qid] = prompt
+                        correct = [Trajectory(np.asarray(s.completion, np.int32),
+                                              (pi_past[i] if X.pi_past == "learner" else s.logprobs).numpy(), pv)
+                                   for i, s in enumerate(seqs) if s.group == gi and s.collect]
+                        buffer.record(qid, k, correct)
+                buffer.end_step()
+                dispatcher.retire(newly_retired)
+                pass_rate = sum(1.0 for r in rewards if r >= 1.0) / len(rewards)
+                if not mixed and pass_rate > X.start_threshold:
+                    mixed = True
+                    log.info("step %d: batch pass@1 %.3f > %.2f: experience collection and replay start",
+                             step, pass_rate, X.start_threshold)
+                t_sel = time.time()
+                plan = []
+                if mixed:
+                    in_flight = dispatcher.experience_in_flight()
+                    want = int(X.rho * B) - len(in_flight)
+                    chosen = [q for q in buffer.sample_questions(want + len(in_flight), X.question_weighting, X.mu,
+                                                                 X.sigma, X.units) if q not in in_flight][:max(0, want)]
+                    if chosen:
+                        plan = select_replays(model, [(q, prompt_ids_of[q], buffer.trajectories(q)) for q in chosen],
+                                              X.selection, X.selection_metric, cfg.rollout.temperature, device,
+                                              X.selection_batch_sequences, tokenizer.pad_token_id or 0, rng)
+                        bucket_at_selection.update({q: buffer.bucket_of(q) for q in chosen})
+                        dispatcher.add_experience([(q, t) for q, t, _ in plan], n=K - 1)
+                exp_buckets = [bucket_at_selection.get(item.question_id) for item, _ in batch if item.replay is not None]
+                rep = [s for s in stats_acc if s.get("replay_tokens")]
+                ex = {
+                    "exgrpo_mixed": mixed, "buffer_questions": buffer.num_questions,
+                    "buffer_trajectories": buffer.num_trajectories, "buffer_tokens": buffer.num_tokens,
+                    "retired_total": len(buffer.retired), "buckets": buffer.bucket_sizes(),
+                    "experience_questions": len(exp_buckets),
+                    "experience_by_bucket": {b: exp_buckets.count(b) for b in sorted(set(exp_buckets), key=str)},
+                    "selected_entropy_mean": sum(sc for _, _, sc in plan) / len(plan) if plan else None,
+                    "replay_w_mean": sum(s["replay_w_mean"] * s["replay_tokens"] for s in rep) / max(1.0, sum(s["replay_tokens"] for s in rep)) if rep else None,
+                    "replay_w_max": max((s["replay_w_max"] for s in rep), default=None),
+                    "replay_token_frac": sum(s["replay_tokens"] for s in rep) / max(1.0, sum(s["tokens"] for s in stats_acc)),
+                    "selection_seconds": time.time() - t_sel,
+                    "entropy": sum(s.get("entropy", 0.0) for s in stats_acc) / max(1, len(stats_acc)),
+                }
 
             # 4) new policy version: publish it, let the dispatcher admit more work
             version += 1
@@ -234,6 +357,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 "rollouts_per_s": totals["rollouts"] / elapsed, "tokens_per_s": totals["tokens"] / elapsed,
                 "bad_messages_total": server.counters["bad_messages"], "truncated_frac": truncated / len(seqs),
                 "verify_timeouts_total": totals["verify_timeouts"], "verify_errors_total": totals["verify_errors"],
+                **ex,
             }
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()

@@ -1,6 +1,6 @@
 """The real entry point end to end: `exgrpo-async train` with a learner and 2 vLLM actor processes.
 
-Short runs on the toy task (a 5-second warm start; learning itself is shown by the demo, not here):
+Short runs on the toy task (a 45-second warm start; learning itself is shown by the demo, not here):
 versions advance once per step, rewards and losses are finite, every metrics field is present, the
 final model loads in transformers, and SIGTERM stops every child process.
 """
@@ -21,14 +21,18 @@ FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_no
           "staleness_mean", "staleness_max", "sync_seconds", "step_seconds"}
 
 
+# long enough for a few correct answers (ExGRPO needs partly solved groups), short for CI
+SFT_SECONDS = 45
+
+
 def cli(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "exgrpo_async.cli", *args]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small(tmp_path_factory) -> list[str]:
     cache = tmp_path_factory.mktemp("toycache")
-    return [f"toy.cache_dir={cache}", "toy.sft_seconds=5", "learner.questions_per_step=8",
+    return [f"toy.cache_dir={cache}", f"toy.sft_seconds={SFT_SECONDS}", "learner.questions_per_step=8",
             "rollout.samples_per_question=4", "rollout.questions_per_request=4", "rollout.eval_samples=1"]
 
 
@@ -90,3 +94,23 @@ def test_sigterm_stops_every_child(small, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_exgrpo_run_switches_on_and_replays_experience(small, tmp_path):
+    out = tmp_path / "runs"
+    proc = subprocess.run(cli(["train", *small, "learner.max_steps=8", f"output_dir={out}", "exgrpo.enabled=true",
+                               "exgrpo.start_threshold=0.01", "learner.questions_per_step=16"]),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in next(out.iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, 9))
+    switched = [r["step"] for r in rows if r["exgrpo_mixed"]]
+    assert switched, "the delayed start never fired"
+    assert not rows[0]["exgrpo_mixed"] or rows[0]["reward_mean"] > 0.01
+    assert max(r["buffer_trajectories"] for r in rows) > 0
+    replayed = [r for r in rows if r["experience_questions"] > 0]
+    assert replayed, "no experience question reached a batch"
+    r = replayed[0]
+    assert r["replay_token_frac"] > 0 and r["replay_w_max"] is not None and math.isfinite(r["replay_w_max"])
+    assert sum(r["experience_by_bucket"].values()) == r["experience_questions"]
+    assert all(math.isfinite(x["loss"]) for x in rows)

@@ -59,3 +59,15 @@ def test_stop_hands_out_nothing():
     d = make()
     d.stop()
     assert d.take("a", 0, 10) == []
+
+
+def test_experience_items_go_before_fresh_ones_within_the_budget():
+    d = make(B=4, eta=0)
+    d.add_experience([(100, "traj-a"), (101, "traj-b")], n=7)
+    got = d.take("a", 0, 10)
+    assert [(w.question_id, w.n, w.replay) for w in got[:2]] == [(100, 7, "traj-a"), (101, 7, "traj-b")]
+    assert len(got) == 4 and all(w.replay is None and w.n == 8 for w in got[2:])
+    assert d.experience_in_flight() == {100, 101}
+    assert d.release_actor("a") == 4
+    again = d.take("b", 0, 10)
+    assert [w.replay for w in again[:2]] == ["traj-a", "traj-b"]  # a lost experience item comes back whole
