@@ -96,7 +96,8 @@ class ExperienceBuffer:
             if key in keys:
                 continue
             keys.add(key)
-            store.append(Trajectory(np.asarray(t.token_ids, np.int32), np.asarray(t.logprobs, np.float32), t.version))
+            # own copies: a view (e.g. into a received message frame) would pin its whole base buffer
+            store.append(Trajectory(np.array(t.token_ids, np.int32), np.array(t.logprobs, np.float32), t.version))
             self._fifo.append((qid, key))
             self.num_trajectories += 1
             self.num_tokens += len(t.token_ids)
