@@ -217,6 +217,14 @@ class WeightSyncConfig(_Strict):
     """Weights travel in buckets of about this size; receive of bucket i+1 overlaps the load of bucket i."""
 
 
+class MetricsConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address of the learner's Prometheus endpoint (/metrics)."""
+    port: int | None = Field(0, ge=0, lt=65536)
+    """Port of the learner's Prometheus endpoint; 0 picks a free one (written to RUN_DIR/learner.json),
+    None turns the endpoint off."""
+
+
 class RunConfig(_Strict):
     output_dir: str = "runs/demo"
     """Parent of run folders: each run gets a new run-YYYYmmdd-HHMMSS folder here holding the resolved
@@ -239,6 +247,8 @@ class RunConfig(_Strict):
     """Rollout and work transport (ZeroMQ)."""
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """Weight broadcast (torch.distributed)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus export."""
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

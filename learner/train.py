@@ -27,6 +27,7 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
+from exgrpo_async.metrics import LearnerMetrics
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.buffer import ExperienceBuffer, Trajectory
@@ -146,7 +147,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     publisher.publish(0, named_parameters_for_sync(model))
     server = LearnerServer(cfg, dispatcher, publisher, backend, prompts, questions, cfg.model_dump_json())
     server.start()
-    (run_dir / "learner.json").write_text(json.dumps({"address": server.address}))
+    prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else None
+    (run_dir / "learner.json").write_text(json.dumps({"address": server.address,
+                                                       "metrics_port": prom.port if prom else None}))
     log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, publisher.port)
     inbox = Inbox(server)
     metrics_f = open(run_dir / "metrics.jsonl", "a")
@@ -361,6 +364,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             }
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
+            if prom is not None:
+                prom.observe_step(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)
@@ -387,3 +392,5 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     finally:
         metrics_f.close()
         server.stop()
+        if prom is not None:
+            prom.close()
