@@ -73,7 +73,7 @@ class RolloutConfig(_Strict):
     """How many questions an actor takes from the learner in one work request."""
     eval_temperature: float = Field(1.0, ge=0)
     """Temperature of held-out evaluation samples (0 = greedy)."""
-    eval_samples: int = Field(4, gt=0)
+    eval_samples: int = Field(8, gt=0)
     """Samples per held-out question; accuracy is their mean (avg@n)."""
 
 
@@ -123,7 +123,7 @@ class LearnerConfig(_Strict):
     """torch threads of the learner on CPU (the actors use the other cores)."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
-    max_steps: int = Field(150, gt=0)
+    max_steps: int = Field(200, gt=0)
     """Learner steps (policy versions) to train."""
     minibatches_per_step: int = Field(1, gt=0)
     """Optimizer updates per learner step (the paper: 2, i.e. mini-batches of B/2 questions)."""
