@@ -13,11 +13,21 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _none_words(cls, value: Any, info: ValidationInfo) -> Any:
+        """TOML has no null: "none"/"null" (any case) set an optional field to None, in files and overrides."""
+        if isinstance(value, str) and value.lower() in ("none", "null"):
+            ann = cls.model_fields[info.field_name].annotation
+            if type(None) in getattr(ann, "__args__", ()):
+                return None
+        return value
 
 
 class ModelConfig(_Strict):
@@ -177,7 +187,7 @@ class ExGRPOConfig(_Strict):
     selection_metric: Literal["entropy", "nll"] = "entropy"
     """Mean token entropy under the current policy (paper text) or mean negative log-likelihood."""
     shaping_beta: float | None = 0.1
-    """Policy shaping f(w) = w/(w+beta) on replayed tokens; None = f(w) = w (the "w/o shaping" ablation)."""
+    """Policy shaping f(w) = w/(w+beta) on replayed tokens; "none" = f(w) = w (the "w/o shaping" ablation)."""
     importance_correction: bool = True
     """w = pi_theta/pi_past on replayed tokens; false replaces pi_past by the current recompute (ablation)."""
     pi_past: Literal["learner", "behaviour"] = "learner"

@@ -92,3 +92,13 @@ def test_config_reference_doc_is_current():
     root = Path(__file__).resolve().parents[2]
     rc = subprocess.run([sys.executable, str(root / "ops" / "gen_config_doc.py"), "--check"]).returncode
     assert rc == 0, "docs/config.md is stale: run ops/gen_config_doc.py"
+
+
+def test_none_words_set_optional_fields(tmp_path):
+    cfg = load_config(None, ["exgrpo.shaping_beta=none", "exgrpo.max_trajectories=null", "metrics.port=None"])
+    assert cfg.exgrpo.shaping_beta is None and cfg.exgrpo.max_trajectories is None and cfg.metrics.port is None
+    p = tmp_path / "c.toml"
+    p.write_text('[exgrpo]\nshaping_beta = "none"\nmu = 0.25\n')
+    assert load_config(p).exgrpo.shaping_beta is None and load_config(p).exgrpo.mu == 0.25
+    with pytest.raises(ValueError, match="learner.lr"):
+        load_config(None, ["learner.lr=none"])  # not optional: still an error
