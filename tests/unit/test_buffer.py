@@ -128,3 +128,12 @@ def test_state_dict_roundtrip():
 def test_bad_k_rejected():
     with pytest.raises(ValueError):
         ExperienceBuffer(K=8).record(1, 9, [])
+
+
+def test_the_documented_example_runs():
+    import doctest
+
+    import learner.buffer
+
+    result = doctest.testmod(learner.buffer)
+    assert result.attempted >= 5 and result.failed == 0
