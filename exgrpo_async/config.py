@@ -212,6 +212,9 @@ class TransportConfig(_Strict):
     """Learner's ZeroMQ port; 0 picks a free one (printed, and passed to local actors)."""
     max_message_mb: int = Field(256, gt=0)
     """Largest accepted message; bigger ones are refused by ZeroMQ and never decoded."""
+    work_deadline_s: float = Field(600.0, gt=0)
+    """Work not returned within this many seconds is re-issued to another actor (its actor died or
+    froze); late rollouts of re-issued work are dropped and counted, never trained twice."""
     request_timeout_s: float = Field(120.0, gt=0)
     """How long an actor waits for the learner to answer before it gives up and exits."""
 

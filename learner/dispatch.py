@@ -110,6 +110,24 @@ class Dispatcher:
             self._eval.extendleft(reversed([w for w in mine if w.purpose == "eval"]))
         return len(mine)
 
+    def reissue_expired(self, deadline_s: float) -> list[WorkItem]:
+        """Items outstanding longer than `deadline_s` (their actor died or froze) go out again; if their
+        rollouts arrive later after all, `complete` no longer knows the work id and they are dropped,
+        so no rollout is counted twice."""
+        now = time.monotonic()
+        with self._lock:
+            late = sorted((w for w in self.outstanding.values() if now - w.dispatched_at > deadline_s),
+                          key=lambda w: w.work_id)
+            for w in late:
+                del self.outstanding[w.work_id]
+                if w.purpose == "train":
+                    self.train_dispatched -= 1
+                    if w.replay is None:
+                        self._retry.append(w.question_id)
+            self._experience.extendleft(reversed([w for w in late if w.replay is not None]))
+            self._eval.extendleft(reversed([w for w in late if w.purpose == "eval"]))
+        return late
+
     def add_eval(self, question_ids: list[int], n: int, temperature: float, min_version: int) -> None:
         with self._lock:
             for qid in question_ids:

@@ -66,7 +66,15 @@ class LearnerServer:
 
     # ------------------------------------------------------------------ server thread
     def _serve(self) -> None:
+        next_check = time.monotonic() + 1.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_check:  # work held too long by a dead or frozen actor goes out again
+                late = self.dispatcher.reissue_expired(self.cfg.transport.work_deadline_s)
+                if late:
+                    self.counters["work_reissued"] += len(late)
+                    log.warning("re-issued %d work items held longer than %.0fs (actors: %s)", len(late),
+                                self.cfg.transport.work_deadline_s, sorted({w.actor_id for w in late}))
+                next_check = time.monotonic() + 1.0
             got = self.sock.recv(100)
             if got is None:
                 continue

@@ -71,3 +71,15 @@ def test_experience_items_go_before_fresh_ones_within_the_budget():
     assert d.release_actor("a") == 4
     again = d.take("b", 0, 10)
     assert [w.replay for w in again[:2]] == ["traj-a", "traj-b"]  # a lost experience item comes back whole
+
+
+def test_expired_work_is_reissued_and_late_replies_are_rejected():
+    d = make(B=4, eta=0)
+    held = d.take("frozen", 0, 2)
+    assert d.reissue_expired(deadline_s=3600) == []
+    for w in held:
+        w.dispatched_at -= 10  # as if handed out 10 s ago
+    assert [w.work_id for w in d.reissue_expired(deadline_s=5)] == [w.work_id for w in held]
+    again = d.take("alive", 0, 10)
+    assert [w.question_id for w in again[:2]] == [w.question_id for w in held]
+    assert all(d.complete(w.work_id) is None for w in held)  # the frozen actor's late rollouts: dropped
