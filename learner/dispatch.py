@@ -98,17 +98,7 @@ class Dispatcher:
     def release_actor(self, actor_id: str) -> int:
         """Re-issue everything an actor held (it left or died); returns how many items."""
         with self._lock:
-            mine = sorted((w for w in self.outstanding.values() if w.actor_id == actor_id), key=lambda w: w.work_id)
-            for w in mine:
-                del self.outstanding[w.work_id]
-                if w.purpose == "train":
-                    self.train_dispatched -= 1
-                    if w.replay is None:
-                        self._retry.append(w.question_id)
-            # experience and eval items go back to the front of their queues, in their original order
-            self._experience.extendleft(reversed([w for w in mine if w.replay is not None]))
-            self._eval.extendleft(reversed([w for w in mine if w.purpose == "eval"]))
-        return len(mine)
+            return len(self._take_back(lambda w: w.actor_id == actor_id))
 
     def reissue_expired(self, deadline_s: float) -> list[WorkItem]:
         """Items outstanding longer than `deadline_s` (their actor died or froze) go out again; if their
@@ -116,17 +106,21 @@ class Dispatcher:
         so no rollout is counted twice."""
         now = time.monotonic()
         with self._lock:
-            late = sorted((w for w in self.outstanding.values() if now - w.dispatched_at > deadline_s),
-                          key=lambda w: w.work_id)
-            for w in late:
-                del self.outstanding[w.work_id]
-                if w.purpose == "train":
-                    self.train_dispatched -= 1
-                    if w.replay is None:
-                        self._retry.append(w.question_id)
-            self._experience.extendleft(reversed([w for w in late if w.replay is not None]))
-            self._eval.extendleft(reversed([w for w in late if w.purpose == "eval"]))
-        return late
+            return self._take_back(lambda w: now - w.dispatched_at > deadline_s)
+
+    def _take_back(self, which) -> list[WorkItem]:
+        """Move matching outstanding items back to the front of their queues, in dispatch order
+        (caller holds the lock)."""
+        items = sorted((w for w in self.outstanding.values() if which(w)), key=lambda w: w.work_id)
+        for w in items:
+            del self.outstanding[w.work_id]
+            if w.purpose == "train":
+                self.train_dispatched -= 1  # the admission budget is for questions trained, not attempts
+                if w.replay is None:
+                    self._retry.append(w.question_id)
+        self._experience.extendleft(reversed([w for w in items if w.replay is not None]))
+        self._eval.extendleft(reversed([w for w in items if w.purpose == "eval"]))
+        return items
 
     def add_eval(self, question_ids: list[int], n: int, temperature: float, min_version: int) -> None:
         with self._lock:
