@@ -18,6 +18,7 @@ import logging
 import math
 import queue
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
         # --- the RL loop ---------------------------------------------------------------------------
         from tqdm import tqdm
 
-        bar = tqdm(total=L.max_steps, desc="RL", unit="step", dynamic_ncols=True)
+        # a terminal gets a live bar; a log file (CI, nohup) one line every 30 s instead of a flood
+        bar = tqdm(total=L.max_steps, desc="RL", unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
         t_start = time.time()
         totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
                   "verify_errors": 0}
