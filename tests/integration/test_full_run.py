@@ -1,6 +1,6 @@
 """The real entry point end to end: `exgrpo-async train` with a learner and 2 vLLM actor processes.
 
-Short runs on the toy task (a 45-second warm start; learning itself is shown by the demo, not here):
+Short runs on the toy task (a 120-second warm start; learning itself is shown by the demo, not here):
 versions advance once per step, rewards and losses are finite, every metrics field is present, the
 final model loads in transformers, and SIGTERM stops every child process.
 """
@@ -22,7 +22,7 @@ FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_no
 
 
 # long enough for a few correct answers (ExGRPO needs partly solved groups), short for CI
-SFT_SECONDS = 45
+SFT_SECONDS = 120
 
 
 def cli(args: list[str]) -> list[str]:
@@ -98,18 +98,21 @@ def test_sigterm_stops_every_child(small, tmp_path):
 
 def test_exgrpo_run_switches_on_and_replays_experience(small, tmp_path):
     out = tmp_path / "runs"
-    proc = subprocess.run(cli(["train", *small, "learner.max_steps=8", f"output_dir={out}", "exgrpo.enabled=true",
-                               "exgrpo.start_threshold=0.01", "learner.questions_per_step=16"]),
+    steps = 14  # replay reaches batches ~3 steps after the switch: collect, select, then queued work drains
+    proc = subprocess.run(cli(["train", *small, f"learner.max_steps={steps}", f"output_dir={out}", "exgrpo.enabled=true",
+                               "exgrpo.start_threshold=0.005", "learner.questions_per_step=16"]),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in next(out.iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
-    assert [r["policy_version"] for r in rows] == list(range(1, 9))
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    trace = [(r["step"], r["reward_mean"], r["exgrpo_mixed"], r["buffer_trajectories"], r["experience_questions"])
+             for r in rows]
     switched = [r["step"] for r in rows if r["exgrpo_mixed"]]
-    assert switched, "the delayed start never fired"
-    assert not rows[0]["exgrpo_mixed"] or rows[0]["reward_mean"] > 0.01
-    assert max(r["buffer_trajectories"] for r in rows) > 0
+    assert switched, f"the delayed start never fired: {trace}"
+    assert not rows[0]["exgrpo_mixed"] or rows[0]["reward_mean"] > 0.005
+    assert max(r["buffer_trajectories"] for r in rows) > 0, f"nothing collected: {trace}"
     replayed = [r for r in rows if r["experience_questions"] > 0]
-    assert replayed, "no experience question reached a batch"
+    assert replayed, f"no experience question reached a batch: {trace}"
     r = replayed[0]
     assert r["replay_token_frac"] > 0 and r["replay_w_max"] is not None and math.isfinite(r["replay_w_max"])
     assert sum(r["experience_by_bucket"].values()) == r["experience_questions"]
