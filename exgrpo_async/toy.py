@@ -113,7 +113,7 @@ def build_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(str(out_dir))
 
 
-def build_model(out_dir: Path, seed: int):
+def build_model(seed: int):
     """A randomly initialised tiny Qwen2ForCausalLM matched to the character tokenizer."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -220,7 +220,7 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_seconds: float, train_ques
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = build_model(paths["model"], seed)
+        model = build_model(seed)
         print(f"[sft] warm-starting the tiny policy for {sft_seconds:.0f}s (cached in {root})", flush=True)
         summary = sft(model, tokenizer, sft_seconds, exclude, seed)
     finally:

@@ -17,6 +17,7 @@ Protocol of one sync (learner side `WeightPublisher.send`, worker side `WeightRe
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -139,8 +140,6 @@ class WeightPublisher:
 
     def send(self, key: str, flat: list[torch.Tensor]) -> float:
         """Broadcast the given packed buckets to one actor's group; returns seconds spent."""
-        import time
-
         t0 = time.perf_counter()
         pg = self.groups[key]
         works = [_broadcast(pg, t) for t in flat]

@@ -16,7 +16,7 @@ def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
     from exgrpo_async.toy import build_model, build_tokenizer
 
     build_tokenizer(out)
-    model = build_model(out, seed)
+    model = build_model(seed)
     if not tied:
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone() + 0.01)

@@ -55,7 +55,7 @@ def build_policy(out: Path, size: str) -> int:
 
     build_tokenizer(out)
     if size == "toy":
-        model = build_model(out, seed=0)
+        model = build_model(seed=0)
     else:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(
