@@ -370,7 +370,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             if prom is not None:
                 prom.observe_step(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
-                            tok_s=f"{row['tokens_per_s']:.0f}")
+                            tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
             if L.eval_every and step % L.eval_every == 0 and eval_pool and step < L.max_steps:
                 ev = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version)
