@@ -12,10 +12,14 @@ Protocol of one sync (learner side `WeightPublisher.send`, worker side `WeightRe
   (name, dtype, shape) in Hugging Face parameter names;
 - the learner issues every bucket broadcast at once; the receiver keeps one bucket in flight while it
   loads the previous one into the engine, so the load hides behind the transfer.
+
+The store listens on the learner's `transport.host` only. Neither it nor the broadcasts are encrypted or
+authenticated: keep them on a trusted network (docs/architecture.md, Security).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +49,24 @@ def make_group(host: str, port: int, prefix: str, rank: int, world_size: int, ba
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
     raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
+
+
+def _listen(host: str, port: int) -> tuple[int, int]:
+    """A TCP socket listening on `host` only, as (fd, port) for TCPStore's `master_listen_fd`.
+
+    TCPStore itself binds every interface; this keeps the store on the configured address. The fd is
+    handed over (TCPStore closes it)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
@@ -84,8 +106,9 @@ class WeightPublisher:
     def __init__(self, host: str, port: int, backend: str, device: torch.device, bucket_mb: int, timeout_s: float):
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
         self.bucket_bytes = bucket_mb << 20
+        fd, port = _listen(host, port)
         self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
+                                   wait_for_workers=False, master_listen_fd=fd)
         self.host, self.port = host, self.store.port
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._lock = threading.Lock()

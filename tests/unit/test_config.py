@@ -34,6 +34,7 @@ def test_paper_settings_in_7b_config():
 
 def test_dotted_overrides_with_typed_values():
     cfg = load_config(None, ["learner.lr=1e-4", "rollout.samples_per_question=4", "transport.host=0.0.0.0",
+                             "transport.curve_keys_dir=/etc/exgrpo/keys",
                              "learner.betas=[0.9, 0.95]", "data.use_chat_template=true"])
     assert cfg.learner.lr == 1e-4 and cfg.rollout.samples_per_question == 4
     assert cfg.transport.host == "0.0.0.0" and cfg.learner.betas == (0.9, 0.95) and cfg.data.use_chat_template
