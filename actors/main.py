@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 
-def main(learner_address: str, cpu_core: int | None) -> int:
+def main(learner_address: str, cpu_core: int | None, keys_dir: str | None = None) -> int:
     if cpu_core is not None:
         os.sched_setaffinity(0, {cpu_core})  # before torch starts its threads
     import torch
@@ -15,5 +15,5 @@ def main(learner_address: str, cpu_core: int | None) -> int:
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run(learner_address, on_cpu=on_cpu)
+    run(learner_address, on_cpu=on_cpu, keys_dir=keys_dir)
     return 0

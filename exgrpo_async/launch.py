@@ -1,7 +1,7 @@
 """`exgrpo-async train`: start one learner and N actors on this machine, watch them, tear them down.
 
 The learner and every actor are separate OS processes started exactly as a user would start them on
-several hosts (`exgrpo-async learner` / `exgrpo-async actor --learner ADDR`); this launcher only adds
+several hosts (`exgrpo-async learner` / `exgrpo-async actor --learner ADDR [--keys DIR]`); this launcher only adds
 local conveniences: the toy policy, the run folder, one CPU core per actor, and clean shutdown.
 Shutdown: Ctrl-C or SIGTERM reaches every child (SIGTERM, then SIGKILL after a grace period); children
 also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so no process is orphaned.
@@ -62,9 +62,9 @@ def _spawn(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=_die_with_parent)
 
 
-def train(cfg: RunConfig) -> int:
+def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     cfg = resolve_toy(cfg)
-    run_dir = new_run_dir(cfg.output_dir)
+    run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg.output_dir)
     cfg.output_dir = str(run_dir)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     print(f"run folder: {run_dir}", flush=True)
@@ -79,7 +79,9 @@ def train(cfg: RunConfig) -> int:
 
     old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)],
+        (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
+        learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
+                          *(["--resume"] if resume_dir else [])],
                          dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)))
         children.append(learner)
         while not (run_dir / "learner.json").exists():
@@ -88,15 +90,27 @@ def train(cfg: RunConfig) -> int:
             time.sleep(0.2)
         address = json.loads((run_dir / "learner.json").read_text())["address"]
         cores = sorted(os.sched_getaffinity(0))
+        actor_args = []
         for i in range(cfg.actor.num_actors):
             args = ["actor", "--learner", address]
+            if cfg.transport.curve_keys_dir:
+                args += ["--keys", cfg.transport.curve_keys_dir]
             if len(cores) > 1:
                 args += ["--cpu-core", str(cores[i % len(cores)])]
+            actor_args.append(args)
             children.append(_spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads))))
+        restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:
-            dead = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
-            if dead and len(dead) == len(children) - 1:
-                log.error("every actor exited with an error; stopping the learner")
+            for i, args in enumerate(actor_args):  # a crashed actor is replaced; the learner re-issues its work
+                c = children[1 + i]
+                if c.poll() is not None and c.returncode != 0 and restarts[i] < cfg.actor.max_restarts:
+                    restarts[i] += 1
+                    log.warning("actor %d exited with code %s; restarting it (%d/%d)", i + 1, c.returncode,
+                                restarts[i], cfg.actor.max_restarts)
+                    children[1 + i] = _spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads)))
+            failed = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
+            if actor_args and len(failed) == len(actor_args):
+                log.error("every actor exited with an error, restarts used up; stopping the learner")
                 break
             time.sleep(0.5)
     finally:

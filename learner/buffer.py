@@ -208,27 +208,54 @@ class ExperienceBuffer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Plain Python + numpy state; bucket order is kept so sampling continues identically."""
+        """Everything needed to continue exactly: plain Python values (JSON-able apart from the rng
+        tuple) and a few flat numpy arrays. Trajectories are concatenated with per-trajectory lengths
+        (thousands of tiny arrays would each cost a file entry), questions keep their insertion order,
+        bucket lists their order (sampling picks by position), and the FIFO is stored as (qid, index of
+        the trajectory in its question's list), or -1 and the 16-byte key in `fifo_stale` for entries of
+        questions already dropped (eviction skips those)."""
+        qids = list(self._traj)
+        trajs = [t for q in qids for t in self._traj[q]]
+        index = {(q, _digest(t.token_ids)): i for q in qids for i, t in enumerate(self._traj[q])}
         return {
             "K": self.K, "max_trajectories": self.max_trajectories, "rng": self.rng.getstate(),
             "retired": sorted(self.retired), "evicted": self.evicted,
-            "buckets": {k: list(qs) for k, qs in self._buckets.items()}, "fifo": list(self._fifo),
-            "trajectories": {qid: [(t.token_ids, t.logprobs, t.version) for t in ts] for qid, ts in self._traj.items()},
+            "buckets": [[k, list(qs)] for k, qs in self._buckets.items()],
+            "qids": np.array(qids, np.int64), "counts": np.array([len(self._traj[q]) for q in qids], np.int64),
+            "lengths": np.array([len(t.token_ids) for t in trajs], np.int64),
+            "versions": np.array([t.version for t in trajs], np.int64),
+            "token_ids": np.concatenate([t.token_ids for t in trajs]) if trajs else np.zeros(0, np.int32),
+            "logprobs": np.concatenate([t.logprobs for t in trajs]) if trajs else np.zeros(0, np.float32),
+            "fifo_qid": np.array([q for q, _ in self._fifo], np.int64),
+            "fifo_idx": np.array([index.get((q, key), -1) for q, key in self._fifo], np.int64),
+            "fifo_stale": np.frombuffer(b"".join(key for q, key in self._fifo if (q, key) not in index),
+                                        np.uint8).reshape(-1, 16),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.__init__(state["K"], state["max_trajectories"])
-        for qid, ts in state["trajectories"].items():
-            self._traj[int(qid)] = [Trajectory(np.asarray(i, np.int32), np.asarray(lp, np.float32), v) for i, lp, v in ts]
-            self._keys[int(qid)] = {_digest(t.token_ids) for t in self._traj[int(qid)]}
-            for t in self._traj[int(qid)]:
+        """Replace this buffer's contents by `state` (from `state_dict`); K and the cap come from it."""
+        self.__init__(int(state["K"]), state["max_trajectories"])
+        ends = np.cumsum(np.asarray(state["lengths"], np.int64))
+        tok, lp, ver = np.asarray(state["token_ids"]), np.asarray(state["logprobs"]), state["versions"]
+        j = 0
+        for qid, n in zip(np.asarray(state["qids"]).tolist(), np.asarray(state["counts"]).tolist()):
+            store = self._traj[qid] = []
+            for _ in range(n):
+                a = ends[j - 1] if j else 0
+                store.append(Trajectory(np.array(tok[a:ends[j]], np.int32), np.array(lp[a:ends[j]], np.float32),
+                                        int(ver[j])))
                 self.num_trajectories += 1
-                self.num_tokens += len(t.token_ids)
-        for k, qs in state["buckets"].items():
+                self.num_tokens += int(ends[j] - a)
+                j += 1
+            self._keys[qid] = {_digest(t.token_ids) for t in store}
+        for k, qs in state["buckets"]:
             self._buckets[int(k)] = [int(q) for q in qs]
             for i, q in enumerate(self._buckets[int(k)]):
                 self._bucket_of[q], self._pos[q] = int(k), i
-        self._fifo = deque((int(q), bytes(key)) for q, key in state["fifo"])
-        self.retired = set(state["retired"])
-        self.evicted = state["evicted"]
-        self.rng.setstate(state["rng"])
+        stale = iter(np.asarray(state["fifo_stale"], np.uint8).reshape(-1, 16))
+        self._fifo = deque((q, _digest(self._traj[q][i].token_ids) if i >= 0 else next(stale).tobytes())
+                           for q, i in zip(np.asarray(state["fifo_qid"]).tolist(),
+                                           np.asarray(state["fifo_idx"]).tolist()))
+        self.retired = {int(q) for q in state["retired"]}
+        self.evicted = int(state["evicted"])
+        self.rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["rng"]))

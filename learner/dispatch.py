@@ -11,6 +11,8 @@ admission): rollouts are not generated in the first place if they could not be t
 `max_staleness` versions. Every dispatched item stays in `outstanding` until its rollouts arrive, so
 nothing is lost silently: an item is either returned to the learner or explicitly re-issued.
 Thread-safe: the server thread dispatches, the training loop completes and re-queues.
+`state_dict`/`load_state_dict` carry the queues over a learner restart; work in flight then is lost
+with the crashed process, so a checkpoint records it as queued again (see `state_dict`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from exgrpo_async.rollout import Purpose
+from learner.buffer import Trajectory
+
+_ID_EPOCH = 1 << 40  # work ids of a restarted learner start at the next multiple (see load_state_dict)
 
 
 @dataclass
@@ -155,3 +163,59 @@ class Dispatcher:
     def stop(self) -> None:
         with self._lock:
             self.stopped = True
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self, received: Iterable[WorkItem] = (), sampler: Any = None) -> dict:
+        """What a restarted learner needs to dispatch on as if nothing had been in flight.
+
+        Rollouts being generated, and groups received but not yet trained on (`received`: the loop's
+        inbox), die with a crashed learner, so they are recorded as queued again, in dispatch order:
+        training question ids after the retry queue, experience items (with their replay trajectory)
+        ahead of the queued ones, as `_take_back` does. Since nothing is in flight after the restart,
+        `train_dispatched` restarts at `train_consumed`. Eval work is not kept: the loop re-runs an
+        evaluation from the start. `sampler` (the question sampler behind `next_question`) is captured
+        under the same lock, because `take` draws from it on the server thread: a question drawn
+        between two separate snapshots would be lost or trained twice. Read-only for the live run.
+        """
+        with self._lock:
+            pending = {w.work_id: w for w in self.outstanding.values()}
+            pending.update({w.work_id: w for w in received})  # a group can be in both while in transit
+            back = sorted((w for w in pending.values() if w.purpose == "train"), key=lambda w: w.work_id)
+            experience = [w for w in back if w.replay is not None] + list(self._experience)
+            nxt = next(self._ids)
+            self._ids = itertools.count(nxt)  # peeking consumes; put the id back
+            return {
+                "version": self.version, "train_consumed": self.train_consumed, "next_work_id": nxt,
+                "retry": list(self._retry) + [w.question_id for w in back if w.replay is None],
+                "experience": [_item_state(w) for w in experience],
+                "sampler": sampler.state_dict() if sampler is not None else None,
+            }
+
+    def load_state_dict(self, state: dict, sampler: Any = None) -> None:
+        """Restore queues and counters from `state_dict` (and `sampler`, if given, to its saved position).
+        Call before the server starts handing out work."""
+        with self._lock:
+            self.version, self.train_consumed = int(state["version"]), int(state["train_consumed"])
+            self.train_dispatched = self.train_consumed  # nothing is in flight after a restart
+            # actors outlive a learner crash and reconnect, so late replies to the old process's work
+            # (issued up to the crash, past the saved counter) must not match a new item: work ids
+            # move on to the next epoch of 2**40, which no process ever exhausts
+            self._ids = itertools.count((int(state["next_work_id"]) // _ID_EPOCH + 1) * _ID_EPOCH)
+            self._retry = deque(int(q) for q in state["retry"])
+            self._experience = deque(
+                WorkItem(0, int(e["question_id"]), int(e["n"]), "train", float(e["temperature"]),
+                         min_version=int(e["min_version"]),
+                         replay=Trajectory(np.asarray(e["token_ids"], np.int32), np.asarray(e["logprobs"], np.float32),
+                                           int(e["version"])))
+                for e in state["experience"])
+            self._eval.clear()
+            self.outstanding.clear()
+            if sampler is not None and state.get("sampler") is not None:
+                sampler.load_state_dict(state["sampler"])
+
+
+def _item_state(w: WorkItem) -> dict:
+    t = w.replay
+    return {"question_id": w.question_id, "n": w.n, "temperature": w.temperature, "min_version": w.min_version,
+            "token_ids": np.asarray(t.token_ids, np.int32), "logprobs": np.asarray(t.logprobs, np.float32),
+            "version": int(t.version)}

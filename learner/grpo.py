@@ -6,6 +6,11 @@ sections 5 and 6):
 - per-token ratio r_t = exp(logp_theta - logp_behaviour), the behaviour log-probs being the ones the
   actor sampled with, so stale rollouts are corrected by the same ratio;
 - PPO clip max(-A r, -A clip(r, 1-eps, 1+eps)) per token;
+- staleness-aware correction (AReaL's decoupled PPO, with verl/slime's truncated IS): with proximal
+  log-probs (the learner's policy before this step's update) the clipped ratio is pi_theta/pi_prox and
+  each token is weighted by w = pi_prox/pi_behav, truncated at C (w -> min(w, C)) or masked beyond C
+  (w -> 0 if w > C), per token or per sequence (w = prod_t of the token ratios). Without proximal
+  log-probs the ratio is taken against the behaviour log-probs directly (plain PPO, the baseline);
 - aggregation: sum over every valid token of the mini-batch divided by (sequences x L_max), where
   L_max is the constant max response length. No per-sequence or per-token mean, so long and short
   answers weigh by their token count and the scale never depends on the batch's lengths. (The authors'
@@ -65,9 +70,46 @@ def scatter_completion(values: list[torch.Tensor], target_mask: torch.Tensor) ->
     return out
 
 
+def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                      cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weight of each token for being sampled by the behaviour policy, not the proximal one.
+
+    mode: "token_truncate" | "token_mask" | "sequence_truncate" | "sequence_mask". Returns the (N, T)
+    detached weights (1 on masked-out positions) and their statistics over the valid tokens (or rows):
+    mean and max of the raw weight, and the fraction truncated or masked (raw weight above `cap`).
+    """
+    maskf = mask.float()
+    log_w = ((proximal_logp - behaviour_logp) * maskf).detach()
+    if mode.startswith("sequence"):
+        rows = mask.any(-1)
+        raw_rows = torch.exp(log_w.sum(-1).clamp(max=80.0))  # clamp: keep exp finite, it is capped anyway
+        raw = raw_rows.unsqueeze(-1).expand_as(log_w)
+        stat_raw, stat_valid = raw_rows[rows], rows.sum()
+    else:
+        raw = torch.exp(log_w.clamp(max=80.0))
+        stat_raw, stat_valid = raw[mask], mask.sum()
+    over = raw > cap
+    w = torch.clamp(raw, max=cap) if mode.endswith("truncate") else torch.where(over, torch.zeros_like(raw), raw)
+    w = torch.where(mask, w, torch.ones_like(w))
+    n = float(stat_valid)
+    stats = {"is_weight_mean": float(stat_raw.sum()) / n if n else 1.0,
+             "is_weight_max": float(stat_raw.max()) if n else 1.0,
+             "is_truncated_frac": float((stat_raw > cap).float().sum()) / n if n else 0.0}
+    return w, stats
+
+
+def mismatch_kl(learner_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Sum over `mask` of the k3 estimate of KL(pi_behav || pi_learner) per token (r - 1 - log r with
+    r = pi_learner/pi_behav, unbiased and >= 0 on samples drawn from pi_behav), and the token count."""
+    log_r = ((learner_logp - behaviour_logp) * mask.float()).detach()
+    k3 = (torch.exp(log_r) - 1.0 - log_r) * mask.float()
+    return float(k3.sum()), int(mask.sum())
+
+
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float | None, normalizer: float, replay_mask: torch.Tensor | None = None,
-                shaping_beta: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                shaping_beta: float | None = None, proximal_logp: torch.Tensor | None = None,
+                correction: str = "token_truncate", cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr.GRPO token-sum loss over fresh and (ExGRPO) replayed tokens.
 
     logp, behaviour_logp, mask, replay_mask: (N, T); advantages: (N,). For replayed rows the
@@ -75,20 +117,27 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
     - fresh tokens: -A * r, PPO-clipped to [1-eps, 1+eps] unless `clip_eps` is None;
     - replayed tokens (`replay_mask`): -A * f(w), f(w) = w / (w + beta) (policy shaping), or f(w) = w
       when `shaping_beta` is None; never clipped.
+    - with `proximal_logp` (fresh tokens only): the ratio is against pi_prox and every fresh token's
+      term is multiplied by the `correction` weight of pi_prox/pi_behav (see `behaviour_weights`).
     Returns the loss (already divided by `normalizer`) and detached statistics.
     """
     maskf = mask.float()
-    ratio = torch.exp((logp - behaviour_logp) * maskf)
-    adv = advantages.unsqueeze(-1)
-    per_token = -adv * ratio
     fresh = mask if replay_mask is None else mask & ~replay_mask
     freshf = fresh.float()
+    anchor = behaviour_logp if proximal_logp is None else torch.where(fresh, proximal_logp, behaviour_logp)
+    ratio = torch.exp((logp - anchor) * maskf)
+    adv = advantages.unsqueeze(-1)
+    per_token = -adv * ratio
     clipped_frac = torch.zeros(())
     if clip_eps is not None:
         clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
         clipped_frac = ((clipped > per_token).float() * freshf).sum() / freshf.sum().clamp(min=1)
         per_token = torch.where(fresh, torch.maximum(per_token, clipped), per_token)
     stats: dict[str, float] = {}
+    if proximal_logp is not None:
+        w, w_stats = behaviour_weights(proximal_logp, behaviour_logp, fresh, correction, cap)
+        per_token = torch.where(fresh, w * per_token, per_token)
+        stats.update(w_stats)
     if replay_mask is not None:
         shaped = ratio / (ratio + shaping_beta) if shaping_beta is not None else ratio
         per_token = torch.where(replay_mask, -adv * shaped, per_token)

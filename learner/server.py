@@ -2,9 +2,16 @@
 
 The server thread owns the learner socket. It registers actors, hands out work from the dispatcher,
 decodes rollout groups into `inbox` (bounded by the dispatcher's admission cap), and turns sync
-requests into jobs for the sync thread, which owns every torch.distributed group. The training loop in
-train.py only touches `inbox`, the dispatcher and the publisher, so training never waits on a socket
-and a slow broadcast never blocks dispatch.
+requests into jobs for the actor's own sync thread, which owns that actor's torch.distributed group.
+The training loop in train.py only touches `inbox`, the dispatcher and the publisher, so training
+never waits on a socket, a slow broadcast never blocks dispatch, and a frozen actor's broadcast never
+holds back another actor's.
+
+Membership is elastic: an actor joins with hello at any time; it leaves with bye, or is presumed dead
+when neither it nor its heartbeat thread has been heard for `transport.actor_timeout_s` (kill -9,
+SIGSTOP, a lost host). Either way its outstanding work is re-issued at once and its group is closed;
+if a presumed-dead actor wakes up, its late rollouts are dropped (their work went out again) and its
+requests are answered "rejoin".
 
 Malformed messages (bad msgpack, wrong schema version, wrong frame sizes, unknown types or work ids)
 are counted in `counters` and dropped with a warning; they never stop the server.
@@ -14,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from exgrpo_async.config import RunConfig
+from exgrpo_async.config import RunConfig, is_loopback
 from exgrpo_async.data import Question
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.transport import LearnerSocket
@@ -37,6 +44,9 @@ class ActorInfo:
     group_key: str
     version: int = -1
     last_seen: float = field(default_factory=time.monotonic)
+    joined_at: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # the actor's own count of seconds spent generating
+    jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
 
 class LearnerServer:
@@ -44,21 +54,30 @@ class LearnerServer:
                  prompts: dict[str, list[str]], questions: dict[str, list[Question]], config_json: str):
         self.cfg, self.dispatcher, self.publisher, self.backend = cfg, dispatcher, publisher, backend
         self.prompts, self.questions, self.config_json = prompts, questions, config_json
-        self.sock = LearnerSocket(cfg.transport.host, cfg.transport.port, cfg.transport.max_message_mb << 20)
+        t = cfg.transport
+        self.sock = LearnerSocket(t.host, t.port, t.max_message_mb << 20, keys_dir=t.curve_keys_dir)
+        if not self.sock.secure and not is_loopback(t.host):
+            log.warning("transport.host=%s without curve_keys_dir: anyone who reaches it can take work and inject "
+                        "rollouts (transport.allow_insecure_remote)", t.host)
         self.address = self.sock.address
         self.inbox: queue.Queue[tuple[WorkItem, RolloutGroup]] = queue.Queue()
         self.actors: dict[bytes, ActorInfo] = {}
         self.counters: Counter[str] = Counter()
         self.sync_seconds: list[float] = []  # learner-side broadcast seconds, one per sync served
-        self._jobs: queue.Queue = queue.Queue()
+        self.update_timings: list[dict] = []  # actors' in-flight update seconds (pause, stall, total)
+        self.idle_fractions: dict[str, float] = {}  # actor id -> 1 - busy/connected time, at its last request
         self._stop = threading.Event()
         self._n_actors = 0
-        self._threads = [threading.Thread(target=self._serve, name="zmq-server", daemon=True),
-                         threading.Thread(target=self._sync_worker, name="weight-sync", daemon=True)]
+        self._thread = threading.Thread(target=self._serve, name="zmq-server", daemon=True)
+        self._sync_threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        for t in self._threads:
-            t.start()
+        self._thread.start()
+
+    @property
+    def joined(self) -> int:
+        """Actors that ever said hello (rejoins included)."""
+        return self._n_actors
 
     @property
     def connected(self) -> int:
@@ -74,6 +93,7 @@ class LearnerServer:
                     self.counters["work_reissued"] += len(late)
                     log.warning("re-issued %d work items held longer than %.0fs (actors: %s)", len(late),
                                 self.cfg.transport.work_deadline_s, sorted({w.actor_id for w in late}))
+                self._drop_silent_actors()
                 next_check = time.monotonic() + 1.0
             got = self.sock.recv(100)
             if got is None:
@@ -93,21 +113,29 @@ class LearnerServer:
             info.last_seen = time.monotonic()
         if kind == "hello":
             self._hello(peer, head)
+        elif kind == "alive":  # heartbeat, from the actor's own heartbeat socket
+            alive = next((a for a in self.actors.values() if a.actor_id == head.get("actor_id")), None)
+            if alive is not None:
+                alive.last_seen = time.monotonic()
         elif info is None:
-            raise WireError(f"{kind!r} from an actor that never said hello")
+            if kind == "bye":  # the goodbye of a socket we already forgot (presumed dead, then rejoined)
+                return
+            if kind in ("work", "sync"):  # presumed dead, or from before a learner restart: start over
+                self.counters["rejoin_requests"] += 1
+                self.sock.send(peer, encode_control("rejoin"))
+                return
+            raise WireError(f"{kind!r} from an actor that never said hello (or was presumed dead)")
         elif kind == "work":
             self._work(peer, info, head)
         elif kind == "rollouts":
             self._rollouts(info, head, frames[1:])
         elif kind == "sync":
             version, meta, flat, token = self.publisher.checkout()
-            self._jobs.put(("send", info.group_key, flat, token))
+            info.jobs.put(("send", info.group_key, flat, token))
             self.sock.send(peer, encode_control("sync", version=version, meta=meta))
             info.version = version
         elif kind == "bye":
-            n = self.dispatcher.release_actor(info.actor_id)
-            self._jobs.put(("close", info.group_key))
-            del self.actors[peer]
+            n = self._remove(peer)
             log.info("%s left (%d items re-issued)", info.actor_id, n)
         else:
             raise WireError(f"unknown message type {kind!r}")
@@ -115,15 +143,56 @@ class LearnerServer:
     def _hello(self, peer: bytes, head: dict) -> None:
         world = 1 + int(head.get("tp", 1))
         self._n_actors += 1
-        info = ActorInfo(f"actor-{self._n_actors}", f"{self._n_actors}-{uuid.uuid4().hex[:8]}")
+        # prefix of the group's store keys: 128 random bits, sent only in the welcome (encrypted with curve)
+        info = ActorInfo(f"actor-{self._n_actors}", f"{self._n_actors}-{secrets.token_hex(16)}")
         self.actors[peer] = info
-        self._jobs.put(("open", info.group_key, world))
+        thread = threading.Thread(target=self._sync_worker, args=(info.jobs,), name=f"weight-sync-{info.actor_id}",
+                                  daemon=True)
+        thread.start()
+        self._sync_threads.append(thread)
+        info.jobs.put(("open", info.group_key, world))
         ws = {"host": self.publisher.host, "port": self.publisher.port, "prefix": f"ws/{info.group_key}/",
               "world_size": world, "backend": self.backend, "timeout_s": self.cfg.weight_sync.timeout_s}
         self.sock.send(peer, encode_control("welcome", actor_id=info.actor_id, config=self.config_json, weights=ws))
         log.info("%s joined from %s (pid %s)", info.actor_id, head.get("host"), head.get("pid"))
 
+    def _remove(self, peer: bytes) -> int:
+        """Forget an actor: re-issue its outstanding work, close its group, end its sync thread."""
+        info = self.actors.pop(peer)
+        n = self.dispatcher.release_actor(info.actor_id)
+        self.counters["work_released"] += n
+        info.jobs.put(("close", info.group_key))
+        info.jobs.put(None)
+        return n
+
+    def _drop_silent_actors(self) -> None:
+        limit = self.cfg.transport.actor_timeout_s
+        now = time.monotonic()
+        for peer, info in list(self.actors.items()):
+            if now - info.last_seen > limit:
+                n = self._remove(peer)
+                self.counters["actors_lost"] += 1
+                log.warning("%s silent for %.0fs: presumed dead, %d work items re-issued", info.actor_id,
+                            now - info.last_seen, n)
+
+    def _note_actor_stats(self, info: ActorInfo, head: dict) -> None:
+        """Optional fields of a work request: seconds spent generating, in-flight update timings."""
+        busy = head.get("busy_s")
+        if busy is not None:
+            if not isinstance(busy, (int, float)) or isinstance(busy, bool) or busy < 0:
+                raise WireError(f"bad busy_s {busy!r}")
+            connected = max(1e-9, time.monotonic() - info.joined_at)
+            self.idle_fractions[info.actor_id] = max(0.0, 1.0 - float(busy) / connected)
+        updates = head.get("updates", [])
+        if not isinstance(updates, list) or len(updates) > 64:
+            raise WireError("bad updates field")
+        for u in updates:
+            if not isinstance(u, dict) or not all(isinstance(u.get(k), (int, float)) for k in ("pause", "stall", "total")):
+                raise WireError("bad update timing")
+            self.update_timings.append({k: float(u[k]) for k in ("pause", "stall", "total")})
+
     def _work(self, peer: bytes, info: ActorInfo, head: dict) -> None:
+        self._note_actor_stats(info, head)
         if self.dispatcher.stopped:
             self.sock.send(peer, encode_control("stop"))
             return
@@ -131,7 +200,10 @@ class LearnerServer:
         if info.version < latest:  # every batch is generated on the newest weights
             self.sock.send(peer, encode_control("resync", version=latest))
             return
-        items = self.dispatcher.take(info.actor_id, info.version, self.cfg.rollout.questions_per_request)
+        want = head.get("max_items", self.cfg.rollout.questions_per_request)
+        if not isinstance(want, int) or isinstance(want, bool) or want < 1:
+            raise WireError(f"bad max_items {want!r}")
+        items = self.dispatcher.take(info.actor_id, info.version, min(want, self.cfg.rollout.questions_per_request))
         if not items:
             self.sock.send(peer, encode_control("wait", seconds=0.05))
             return
@@ -170,9 +242,11 @@ class LearnerServer:
         self.inbox.put((item, group))
 
     # ------------------------------------------------------------------ sync thread
-    def _sync_worker(self) -> None:
+    def _sync_worker(self, jobs: queue.Queue) -> None:
+        """One per actor: opens its group, serves its syncs, closes it. A broadcast blocked on a frozen
+        actor only blocks this thread (until `weight_sync.timeout_s`)."""
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             try:
@@ -187,18 +261,22 @@ class LearnerServer:
                     self.publisher.close_group(job[1])
             except Exception as e:  # a peer that died mid-sync must not take the learner down
                 self.counters["sync_failures"] += 1
-                log.warning("weight-sync job %s for %s failed: %s", job[0], job[1], e)
+                log.warning("weight-sync job %s for group %s failed: %s", job[0], job[1].split("-")[0], e)
                 self.publisher.close_group(job[1])
 
     # ------------------------------------------------------------------ shutdown
     def stop(self, wait_for_actors_s: float = 30.0) -> None:
         """Tell actors to stop (via their next work request), wait for their goodbyes, then close."""
+        if self._stop.is_set():
+            return
         self.dispatcher.stop()
         deadline = time.monotonic() + wait_for_actors_s
         while self.actors and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stop.set()
-        self._jobs.put(None)
-        for t in self._threads:
+        self._thread.join(timeout=5)
+        for peer in list(self.actors):  # never said bye: close their groups anyway
+            self._remove(peer)
+        for t in self._sync_threads:
             t.join(timeout=5)
         self.sock.close()

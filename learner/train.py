@@ -4,8 +4,10 @@ On-policy GRPO (Dr.GRPO variant) with asynchronous actors:
 - actors pull work from the dispatcher and stream back groups of K completions; the dispatcher's
   admission cap keeps at most `max_staleness` versions of work in flight, and groups that still arrive
   too stale are dropped and their questions re-issued (counted, never lost);
-- the loss takes the PPO ratio against the behaviour log-probs the actor sampled with, so a rollout one
-  version old is corrected by the same ratio that clips an on-policy one;
+- staleness-aware correction (decoupled PPO, `learner.off_policy_correction`): the PPO ratio is taken
+  against pi_prox, the learner's own log-probs before the step's update, and each token is weighted by
+  the truncated importance weight min(pi_prox/pi_behav, C) for having been sampled by an older (or
+  numerically different) policy in vLLM;
 - after each learner step the policy version goes up by one and the new weights are published; actors
   fetch them before their next batch.
 Held-out accuracy is measured by the actors themselves (eval work items) before and after training.
@@ -32,8 +34,10 @@ from exgrpo_async.metrics import LearnerMetrics
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.buffer import ExperienceBuffer, Trajectory
+from learner.checkpoint import latest_valid, load_checkpoint, pack_ragged, save_checkpoint, unpack_ragged
 from learner.dispatch import Dispatcher, WorkItem
-from learner.grpo import group_advantages, pack_sequences, policy_loss, scatter_completion, token_logprobs
+from learner.grpo import (group_advantages, mismatch_kl, pack_sequences, policy_loss, scatter_completion,
+                          token_logprobs)
 from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
 from learner.replay import select_replays
 from learner.server import LearnerServer
@@ -66,6 +70,34 @@ def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device
         for r, key in enumerate(keys[j:j + batch]):
             out[key] = logp[r][packed["target_mask"][r].to(device)].float().cpu()
     return out
+
+
+def question_books(dispatcher: Dispatcher, inbox: Inbox, server: LearnerServer) -> dict:
+    """Conservation of training questions: each one handed out is trained on, re-issued (which takes it
+    off `train_dispatched`), still outstanding, or received and waiting. Anything else was lost."""
+    waiting = len(inbox.train) + sum(1 for it, _ in list(server.inbox.queue) if it.purpose == "train")
+    outstanding = sum(1 for w in list(dispatcher.outstanding.values()) if w.purpose == "train")
+    return {"questions_dispatched": dispatcher.train_dispatched, "questions_trained": dispatcher.train_consumed,
+            "questions_in_flight_at_end": outstanding + waiting,
+            "questions_unaccounted": dispatcher.train_dispatched - dispatcher.train_consumed - outstanding - waiting}
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the metrics rows up to `last_step` (a resumed run writes the later ones again)."""
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def is_stats(stats: list[dict]) -> dict:
+    """Step-level importance-weight statistics from the per-micro-batch ones (token-weighted means)."""
+    rows = [s for s in stats if "is_weight_mean" in s]
+    if not rows:
+        return {"is_weight_mean": None, "is_weight_max": None, "is_truncated_frac": None}
+    n = sum(s["tokens"] for s in rows) or 1.0
+    return {"is_weight_mean": sum(s["is_weight_mean"] * s["tokens"] for s in rows) / n,
+            "is_weight_max": max(s["is_weight_max"] for s in rows),
+            "is_truncated_frac": sum(s["is_truncated_frac"] * s["tokens"] for s in rows) / n}
 
 
 class Inbox:
@@ -105,7 +137,8 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, n_questions: int, cfg: RunCon
             "versions": sorted(versions), "seconds": time.time() - t0}
 
 
-def run(cfg: RunConfig, run_dir: Path) -> dict:
+def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Train; with `resume`, continue from the newest valid checkpoint in run_dir/checkpoints."""
     # --- setup: device, model, data, optimizer -----------------------------------------------
     device = pick_device(cfg.learner.device)
     if device.type == "cpu":
@@ -142,10 +175,45 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     prompt_ids_of: dict[int, list[int]] = {}  # question id -> prompt token ids, for replay scoring
     bucket_at_selection: dict[int, int] = {}
     mixed = X.enabled and not X.delayed_start  # the delayed-start switch (one-way)
+    totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
+              "verify_errors": 0}
+    version, opt_updates, first_sync_checked, start_step, eval_before = 0, 0, False, 1, None
+    ckpt_root = run_dir / "checkpoints"
+    ckpt = latest_valid(ckpt_root) if resume else None
+    if resume and ckpt is None:
+        log.warning("--resume: no valid checkpoint in %s; starting from the beginning", ckpt_root)
+    if ckpt is not None:  # before any actor can connect: the server hands out work from the restored queues
+        st = load_checkpoint(ckpt, model, opt, buffer if X.enabled else None, verify=False)
+        dispatcher.load_state_dict(st["dispatcher"], sampler)
+        rng.setstate(st["rng"])
+        version, opt_updates, mixed, first_sync_checked = st["version"], st["opt_updates"], st["mixed"], st["first_sync_checked"]
+        totals.update(st["totals"])
+        bucket_at_selection.update(st["bucket_at_selection"])
+        prompt_ids_of.update(unpack_ragged(st["prompt_ids_of"]))
+        start_step, eval_before = st["step"] + 1, st.get("eval_before")
+        _truncate_metrics(run_dir / "metrics.jsonl", st["step"])  # rows of the lost steps are written again
+        log.info("resumed from %s: step %d, policy version %d", ckpt, st["step"], version)
+
+    def checkpoint(step: int) -> None:
+        while True:  # groups already received wait in the loop's inbox; the checkpoint re-queues them
+            try:
+                inbox.train.append(server.inbox.get_nowait())
+            except queue.Empty:
+                break
+        state = {"version": version, "opt_updates": opt_updates, "mixed": mixed, "totals": totals,
+                 "rng": rng.getstate(), "first_sync_checked": first_sync_checked,
+                 "bucket_at_selection": bucket_at_selection, "prompt_ids_of": pack_ragged(prompt_ids_of),
+                 "dispatcher": dispatcher.state_dict([it for it, _ in inbox.train], sampler),
+                 "eval_before": summary["before"]}
+        t0 = time.time()
+        path = save_checkpoint(ckpt_root, step, model, tokenizer, opt, state, buffer if X.enabled else None,
+                               L.keep_checkpoints)
+        log.info("checkpoint %s (%.1fs)", path, time.time() - t0)
+
     publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
                                 device if backend == "nccl" else torch.device("cpu"),
                                 cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
-    publisher.publish(0, named_parameters_for_sync(model))
+    publisher.publish(version, named_parameters_for_sync(model))
     server = LearnerServer(cfg, dispatcher, publisher, backend, prompts, questions, cfg.model_dump_json())
     server.start()
     prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else None
@@ -154,9 +222,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, publisher.port)
     inbox = Inbox(server)
     metrics_f = open(run_dir / "metrics.jsonl", "a")
-    summary: dict = {"before": None, "after": None}
+    summary: dict = {"before": eval_before, "after": None}
     try:
-        if eval_pool:
+        if eval_pool and ckpt is None:
             summary["before"] = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version=0)
             log.info("held-out before: %s", summary["before"])
 
@@ -164,13 +232,13 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
         from tqdm import tqdm
 
         # a terminal gets a live bar; a log file (CI, nohup) one line every 30 s instead of a flood
-        bar = tqdm(total=L.max_steps, desc="RL", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=L.max_steps, initial=start_step - 1, desc="RL", unit="step", dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
         t_start = time.time()
-        totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
-                  "verify_errors": 0}
-        version, opt_updates, first_sync_checked, n_syncs_seen = 0, 0, False, 0
-        for step in range(1, L.max_steps + 1):
+        rollouts_at_start, tokens_at_start = totals["rollouts"], totals["tokens"]
+        n_syncs_seen = n_updates_seen = 0
+        step = start_step - 1
+        for step in range(start_step, L.max_steps + 1):
             t_step = time.time()
             # 1) wait for B training groups, dropping those too stale to train on
             batch: list[tuple[WorkItem, RolloutGroup]] = []
@@ -219,14 +287,19 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             mb_groups = B // L.minibatches_per_step
             clip = L.clip_eps if L.clip_eps > 0 and (not mixed or X.clip_after_switch) else None
             entropy_coef = X.entropy_coef if X.enabled else 0.0
-            # pi_past of trajectories collected this step: the learner's log-probs before this step's
-            # update (the authors' choice); mini-batch 0 provides them in its forward, later ones first
-            # get a no-grad recompute here.
+            # The learner's log-probs before this step's update serve twice: as pi_prox of the
+            # off-policy correction and as pi_past of trajectories collected for ExGRPO (the authors'
+            # choice). Mini-batch 0 reads them from its own forward pass; later mini-batches run after
+            # an update, so theirs are recomputed here, without grad, first.
+            correcting = L.off_policy_correction != "none"
+            pre_logp: dict[int, torch.Tensor] = {}
+            late = [i for i, s in enumerate(seqs) if s.group >= mb_groups
+                    and ((correcting and not s.replay) or (X.pi_past == "learner" and s.collect))]
+            if late:
+                pre_logp.update(recompute_logps(model, [seqs[i] for i in late], late, tokenizer.pad_token_id or 0,
+                                                device, L.micro_batch_sequences, cfg.rollout.temperature))
             pi_past: dict[int, torch.Tensor] = {}
-            if X.pi_past == "learner":
-                late = [i for i, s in enumerate(seqs) if s.collect and s.group >= mb_groups]
-                pi_past.update(recompute_logps(model, [seqs[i] for i in late], late, tokenizer.pad_token_id or 0,
-                                               device, L.micro_batch_sequences, cfg.rollout.temperature))
+            kl = {"mismatch": [0.0, 0], "behaviour": [0.0, 0]}  # k3 sums and token counts
             losses, norms, stats_acc, diff_max = [], [], [], None
             for mb in range(L.minibatches_per_step):
                 mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
@@ -248,9 +321,24 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                     if not X.importance_correction and replay_rows.any():  # ablation: pi_past := current recompute
                         behav = torch.where(replay_rows.unsqueeze(-1), logp.detach(), behav)
                     adv = torch.tensor([s.advantage for s in micro], dtype=torch.float32, device=device)
+                    if mb == 0:
+                        prox = logp.detach()
+                    else:  # recomputed before the first update; replayed rows keep their own slot
+                        prox = scatter_completion([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)],
+                                                  packed["target_mask"]).to(device)
+                    fresh_rows = ~replay_rows
+                    if mb == 0 or correcting:
+                        zero_stale = torch.tensor([s.staleness == 0 for s in micro], device=device)
+                        for key, rows in (("mismatch", fresh_rows & zero_stale), ("behaviour", fresh_rows)):
+                            total, n = mismatch_kl(prox, behav, rows.unsqueeze(-1) & mask)
+                            kl[key][0] += total
+                            kl[key][1] += n
                     loss, st = policy_loss(logp, behav, adv, mask, clip, normalizer,
                                            replay_mask=replay_rows.unsqueeze(-1) & mask if X.enabled else None,
-                                           shaping_beta=X.shaping_beta)
+                                           shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
+                                           correction=L.off_policy_correction, cap=L.off_policy_cap)
+                    if step in L.fault_nan_loss_at_steps:  # fault drill (config)
+                        loss = loss * float("nan")
                     if entropy is not None:
                         ent_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
                         loss = loss - entropy_coef * ent_mean
@@ -264,10 +352,10 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                         if fresh.any():  # learner vs vLLM on the same weights
                             d_ = float(((logp.detach() - behav).abs() * fresh).max())
                             diff_max = d_ if diff_max is None else max(diff_max, d_)
-                        if X.pi_past == "learner":
-                            for r, i in enumerate(idx):
-                                if seqs[i].collect:
-                                    pi_past[i] = logp.detach()[r][mask[r]].float().cpu()
+                    if X.pi_past == "learner":
+                        for r, i in enumerate(idx):
+                            if seqs[i].collect:
+                                pi_past[i] = prox[r][mask[r]].float().cpu()
                 gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), L.grad_clip))
                 norms.append(gn)
                 losses.append(mb_loss)
@@ -347,6 +435,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
 
             # 5) metrics
             syncs, n_syncs_seen = server.sync_seconds[n_syncs_seen:], len(server.sync_seconds)
+            updates, n_updates_seen = server.update_timings[n_updates_seen:], len(server.update_timings)
+            idle = list(server.idle_fractions.values())
             elapsed = time.time() - t_start
             row = {
                 "step": step, "policy_version": version, "reward_mean": sum(rewards) / len(rewards),
@@ -355,12 +445,20 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
                 "sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": time.time() - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
+                "learner_idle_frac": t_wait / max(1e-9, time.time() - t_step),
+                "actor_idle_frac": sum(idle) / len(idle) if idle else None,
+                "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
+                "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
+                "update_stall_max_seconds": max((u["stall"] for u in updates), default=None),
                 "ratio_mean": sum(s["ratio_mean"] for s in stats_acc) / max(1, len(stats_acc)),
                 "ratio_max": max((s["ratio_max"] for s in stats_acc), default=1.0),
                 "clip_frac": sum(s["clip_frac"] for s in stats_acc) / max(1, len(stats_acc)),
+                **is_stats(stats_acc), "mismatch_kl": kl["mismatch"][0] / kl["mismatch"][1] if kl["mismatch"][1] else None,
+                "behaviour_kl": kl["behaviour"][0] / kl["behaviour"][1] if kl["behaviour"][1] else None,
                 "logprob_diff_max": diff_max, "stale_dropped_total": totals["stale_dropped"],
                 "skipped_steps_total": totals["skipped_steps"], "actors": server.connected,
-                "rollouts_per_s": totals["rollouts"] / elapsed, "tokens_per_s": totals["tokens"] / elapsed,
+                "rollouts_per_s": (totals["rollouts"] - rollouts_at_start) / elapsed,
+                "tokens_per_s": (totals["tokens"] - tokens_at_start) / elapsed,
                 "bad_messages_total": server.counters["bad_messages"], "truncated_frac": truncated / len(seqs),
                 "verify_timeouts_total": totals["verify_timeouts"], "verify_errors_total": totals["verify_errors"],
                 **ex,
@@ -375,18 +473,33 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             if L.eval_every and step % L.eval_every == 0 and eval_pool and step < L.max_steps:
                 ev = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version)
                 metrics_f.write(json.dumps({"step": step, "policy_version": version, "eval": ev}) + "\n")
+            if L.checkpoint_every and step % L.checkpoint_every == 0 and step < L.max_steps:
+                checkpoint(step)
         bar.close()
+        if step >= start_step:  # the final state, for `--resume` with a larger max_steps
+            checkpoint(step)
         rl_seconds = time.time() - t_start
 
         # --- the end: evaluate the final weights, save the model, summarise -----------------------
         if eval_pool:
             summary["after"] = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version=version)
         save_policy(model, tokenizer, run_dir / "final")
+        server.stop()  # no more dispatch: the books below are final
+        summary.update(question_books(dispatcher, inbox, server))
+        if summary["questions_unaccounted"]:
+            log.error("%d training questions were dispatched but neither trained, re-issued nor in flight",
+                      summary["questions_unaccounted"])
         summary.update({
             "steps": L.max_steps, "rl_seconds": rl_seconds, "rollouts": totals["rollouts"],
-            "rollouts_per_s": totals["rollouts"] / rl_seconds, "tokens_per_s": totals["tokens"] / rl_seconds,
+            "rollouts_per_s": (totals["rollouts"] - rollouts_at_start) / rl_seconds,
+            "tokens_per_s": (totals["tokens"] - tokens_at_start) / rl_seconds,
             "sync_seconds_mean": sum(server.sync_seconds) / max(1, len(server.sync_seconds)),
             "syncs": len(server.sync_seconds), "stale_dropped": totals["stale_dropped"],
+            "update_stall_seconds_mean": (sum(u["stall"] for u in server.update_timings) / len(server.update_timings)
+                                          if server.update_timings else None),
+            "actors_lost": server.counters["actors_lost"], "work_reissued": server.counters["work_reissued"],
+            "work_released": server.counters["work_released"], "rejoin_requests": server.counters["rejoin_requests"],
+            "unknown_work": server.counters["unknown_work"], "actors_joined": server.joined,
             "skipped_steps": totals["skipped_steps"], "bad_messages": server.counters["bad_messages"],
             "final_model": str(run_dir / "final"),
         })

@@ -11,38 +11,13 @@ import json
 import math
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.integration.helpers import children_of, cli
 
 FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_norm", "tokens_generated", "rollouts",
           "staleness_mean", "staleness_max", "sync_seconds", "step_seconds"}
-
-
-# long enough for a few correct answers (ExGRPO needs partly solved groups), short for CI
-SFT_SECONDS = 120
-
-
-def cli(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "exgrpo_async.cli", *args]
-
-
-@pytest.fixture(scope="session")
-def small(tmp_path_factory) -> list[str]:
-    cache = tmp_path_factory.mktemp("toycache")
-    return [f"toy.cache_dir={cache}", f"toy.sft_seconds={SFT_SECONDS}", "learner.questions_per_step=8",
-            "rollout.samples_per_question=4", "rollout.questions_per_request=4", "rollout.eval_samples=1"]
-
-
-def children_of(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        kids = (task / "children").read_text().split()
-        for k in map(int, kids):
-            out |= {k} | children_of(k)
-    return out
 
 
 def test_train_runs_end_to_end(small, tmp_path):

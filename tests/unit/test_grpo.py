@@ -1,5 +1,7 @@
 """GRPO maths: advantages, sequence packing, log-probs, and the Dr.GRPO PPO loss."""
 
+import math
+
 import torch
 
 from learner.grpo import group_advantages, pack_sequences, policy_loss, scatter_completion, token_logprobs
@@ -119,3 +121,65 @@ def test_entropy_matches_definition():
     p = torch.softmax(m.table[ids[0, :-1]], -1)
     torch.testing.assert_close(ent[0], -(p * p.log()).sum(-1))
     torch.testing.assert_close(logp, token_logprobs(m, ids, torch.ones_like(ids)))
+
+
+def _rows(*vals):
+    return torch.tensor([list(v) for v in vals], dtype=torch.float32)
+
+
+def test_behaviour_weights_truncate_and_mask_per_token():
+    from learner.grpo import behaviour_weights
+
+    prox = _rows([0.0, 0.0, 0.0])
+    behav = torch.log(_rows([1.0, 0.25, 0.8]))  # raw w = pi_prox/pi_behav = 1, 4, 1.25
+    mask = torch.tensor([[True, True, True]])
+    w, st = behaviour_weights(prox, behav, mask, "token_truncate", 2.0)
+    assert torch.allclose(w, _rows([1.0, 2.0, 1.25]))
+    assert abs(st["is_weight_mean"] - (1 + 4 + 1.25) / 3) < 1e-5 and abs(st["is_weight_max"] - 4.0) < 1e-5
+    assert abs(st["is_truncated_frac"] - 1 / 3) < 1e-6
+    w, _ = behaviour_weights(prox, behav, mask, "token_mask", 2.0)
+    assert torch.allclose(w, _rows([1.0, 0.0, 1.25]))
+
+
+def test_behaviour_weights_per_sequence_use_the_product_of_token_ratios():
+    from learner.grpo import behaviour_weights
+
+    prox = torch.zeros(2, 3)
+    behav = torch.log(_rows([0.5, 0.5, 1.0], [1.0, 0.9, 1.0]))  # row products 4 and 1/0.9
+    mask = torch.tensor([[True, True, False], [True, True, True]])  # row 0: 3rd token padding
+    w, st = behaviour_weights(prox, behav, mask, "sequence_truncate", 2.0)
+    assert torch.allclose(w[0, :2], torch.tensor([2.0, 2.0])) and w[0, 2] == 1.0
+    assert torch.allclose(w[1], torch.full((3,), 1 / 0.9))
+    assert st["is_truncated_frac"] == 0.5
+    w, _ = behaviour_weights(prox, behav, mask, "sequence_mask", 2.0)
+    assert torch.all(w[0, :2] == 0.0) and torch.allclose(w[1], torch.full((3,), 1 / 0.9))
+
+
+def test_decoupled_loss_gradient_is_truncated_weight_times_reinforce():
+    from learner.grpo import policy_loss
+
+    logp = torch.log(torch.tensor([[0.5, 0.4]])).requires_grad_(True)
+    behav = torch.log(torch.tensor([[0.1, 0.4]]))  # token 0 sampled by a policy 5x less likely
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0])
+    loss, st = policy_loss(logp, behav, adv, mask, 0.2, normalizer=2.0, proximal_logp=logp.detach(),
+                           correction="token_truncate", cap=2.0)
+    loss.backward()
+    # at pi_theta == pi_prox the ratio is 1 (inside the clip range): d/dlogp = -A * w / normalizer
+    assert torch.allclose(logp.grad, torch.tensor([[-2.0 / 2.0, -1.0 / 2.0]]))
+    assert abs(st["is_weight_max"] - 5.0) < 1e-4 and st["is_truncated_frac"] == 0.5
+    # without proximal log-probs (plain PPO) token 0's ratio 5 is clipped and passes no gradient
+    logp.grad = None
+    loss, _ = policy_loss(logp, behav, adv, mask, 0.2, normalizer=2.0)
+    loss.backward()
+    assert logp.grad[0, 0] == 0.0
+
+
+def test_mismatch_kl_is_zero_on_equal_policies_and_positive_otherwise():
+    from learner.grpo import mismatch_kl
+
+    a = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    mask = torch.tensor([[True, True, False]])
+    assert mismatch_kl(a, a, mask) == (0.0, 2)
+    total, n = mismatch_kl(a + 0.1, a, mask)
+    assert n == 2 and abs(total - 2 * (math.exp(0.1) - 1.1)) < 1e-6

@@ -1,0 +1,19 @@
+"""Shared fixtures of the integration tests that run `exgrpo-async` for real.
+
+`small` is the common set of overrides: a toy policy warm-started once per test session (in a temporary
+cache, so a test run never depends on ~/.cache) and a small batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# long enough for a few correct answers (ExGRPO needs partly solved groups), short for CI
+SFT_SECONDS = 120
+
+
+@pytest.fixture(scope="session")
+def small(tmp_path_factory) -> list[str]:
+    cache = tmp_path_factory.mktemp("toycache")
+    return [f"toy.cache_dir={cache}", f"toy.sft_seconds={SFT_SECONDS}", "learner.questions_per_step=8",
+            "rollout.samples_per_question=4", "rollout.questions_per_request=4", "rollout.eval_samples=1"]
