@@ -19,6 +19,7 @@ Two engines, one per actor loop (`actor.engine.kind`):
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -164,12 +165,15 @@ class AsyncVLLMEngine:
         return time.perf_counter() - t0
 
     async def update_in_flight(self, meta: list, version: int, mode: str) -> dict[str, float]:
-        """Receive in the background while generating, then pause (`wait` or `abort`), load, resume.
+        """Receive in the background while generating; once all bytes are in, pause (`wait` or `abort`),
+        load, resume.
 
         Returns seconds: `total` (request to resume), `pause` (pause call: drain or abort),
         `stall` (engine stopped: pause returned until resumed, plus the abort itself in `abort` mode)."""
         t0 = time.perf_counter()
         await self.llm.collective_rpc("ws_prefetch", args=(meta,))
+        while not all(await self.llm.collective_rpc("ws_prefetch_done")):  # generation goes on meanwhile
+            await asyncio.sleep(0.005)
         t_pause = time.perf_counter()
         await self.llm.pause_generation(mode=mode, clear_cache=True)  # clear_cache: KV of old weights
         t_paused = time.perf_counter()

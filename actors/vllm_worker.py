@@ -57,6 +57,10 @@ class WeightSyncExtension:
         self._prefetch.start()
         return True
 
+    def ws_prefetch_done(self) -> bool:
+        """True once the prefetched broadcast has fully arrived (cheap: polled between engine steps)."""
+        return not self._prefetch.is_alive()
+
     def ws_commit(self) -> dict:
         """Wait for the prefetched broadcast, then load it (call only while generation is paused)."""
         t0 = time.perf_counter()
