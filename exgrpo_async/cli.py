@@ -1,4 +1,4 @@
-"""`exgrpo-async` command line: train (local learner + actors), learner, actor.
+"""`exgrpo-async` command line: train (local learner + actors), learner, actor, eval (benchmark scores).
 
 Heavy imports (torch, vLLM) happen inside the commands, so `--help` and config errors are instant.
 Config errors print a readable message and exit 2.
@@ -50,6 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     p_actor.add_argument("--cpu-core", type=int, help="pin this actor to one CPU core (CPU engines)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
                          "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
+    p_eval = sub.add_parser("eval", help="score a model on benchmark files: avg@N and pass@N per data source",
+                            description="Sample N completions per question with vLLM, score them with math-verify, "
+                            "print a table and write a JSON report. Prompt settings (data.*), dtype (model.dtype), "
+                            "engine (actor.engine.*), verifier (actor.verifier.*) and CPU threads per engine "
+                            "(actor.threads) come from --config and the dotted overrides.")
+    _config_args(p_eval)
+    p_eval.add_argument("--model", help="Hugging Face model folder or hub id (default: the config's model.path)")
+    p_eval.add_argument("--data", action="append", metavar="FILE", help="question file (JSONL, JSON array, parquet); "
+                        "repeat for several (default: the config's data.eval_file)")
+    p_eval.add_argument("--samples", type=int, help="N samples per question (default: rollout.eval_samples)")
+    p_eval.add_argument("--temperature", type=float, help="sampling temperature, 0 = greedy "
+                        "(default: rollout.eval_temperature)")
+    p_eval.add_argument("--max-tokens", type=int, help="longest completion (default: rollout.max_new_tokens)")
+    p_eval.add_argument("--actors", type=int, default=1, help="engine processes, each on its own CPU cores "
+                        "(actor.threads each) or GPUs, on a round-robin share of the questions (default: 1)")
+    p_eval.add_argument("--limit", type=int, help="only the first L questions of each data source")
+    p_eval.add_argument("--prompt-template", help="format string with {problem} (default: data.prompt_template)")
+    p_eval.add_argument("--chat-template", action="store_true", help="render prompts with the tokenizer's chat "
+                        "template (data.use_chat_template=true)")
+    p_eval.add_argument("--seed", type=int, default=0, help="sampling seed (engine process i uses seed+i)")
+    p_eval.add_argument("--out", help="JSON report (default: eval-<timestamp>.json next to the model folder)")
+    p_eval.add_argument("--save-completions", action="store_true", help="also write every decoded completion")
     args = ap.parse_args(argv)
 
     from exgrpo_async.logs import setup_logging
@@ -79,7 +101,47 @@ def main(argv: list[str] | None = None) -> int:
         from actors.main import main as actor_main
 
         return actor_main(args.learner, args.cpu_core, args.keys)
+    if args.cmd == "eval":
+        setup_logging("eval")
+        return _eval(args, _load(args))
     return 2
+
+
+def _eval(args, cfg) -> int:
+    from pathlib import Path
+
+    model = args.model or (cfg.model.path if cfg.model.path != "toy" else None)
+    files = args.data or ([cfg.data.eval_file] if cfg.data.eval_file else [])
+    samples = cfg.rollout.eval_samples if args.samples is None else args.samples
+    temperature = cfg.rollout.eval_temperature if args.temperature is None else args.temperature
+    max_tokens = cfg.rollout.max_new_tokens if args.max_tokens is None else args.max_tokens
+    problems = [msg for bad, msg in [
+        (model is None, "eval needs --model (or a --config whose model.path is a model folder)"),
+        (not files, "eval needs --data FILE (or a --config with data.eval_file)"),
+        (samples < 1, "--samples must be >= 1"), (temperature < 0, "--temperature must be >= 0"),
+        (max_tokens < 1, "--max-tokens must be >= 1"), (args.actors < 1, "--actors must be >= 1"),
+        (args.limit is not None and args.limit < 1, "--limit must be >= 1")] if bad]
+    if problems:
+        print(f"exgrpo-async: {problems[0]}", file=sys.stderr)
+        return 2
+    cfg = cfg.model_copy(deep=True)
+    if args.prompt_template is not None:
+        cfg.data.prompt_template = args.prompt_template
+    cfg.data.use_chat_template = cfg.data.use_chat_template or args.chat_template
+
+    from actors.evaluate import EvalError, default_out, evaluate, format_table, write_report
+    from exgrpo_async.data import DataError
+
+    try:
+        report = evaluate(cfg, model, files, samples, temperature, max_tokens, args.limit, args.actors, args.seed)
+    except (DataError, EvalError) as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default_out(model)
+    write_report(report, out, args.save_completions)
+    print(format_table(report))
+    print(f"report: {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""`exgrpo-async eval` without vLLM: metrics on hand-made rewards, per-source slicing of every shared data
+file, and scoring through the real math-verify pool behind a stub engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.evaluate import (QuestionResult, aggregate, default_out, format_table, prepare, run_shard, summarize,
+                             write_report)
+from exgrpo_async.cli import main as cli_main
+from exgrpo_async.config import load_config
+
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def result(source: str, rewards: list[float], statuses=None, finish=None, qid: int = 0) -> QuestionResult:
+    n = len(rewards)
+    return QuestionResult(qid, source, "1", list(rewards), statuses or ["ok"] * n, finish or ["stop"] * n,
+                          [10] * n, ["x"] * n)
+
+
+def test_aggregate_avg_and_pass():
+    rs = [result("a", [1, 0, 0, 0], finish=["length", "stop", "stop", "length"]),
+          result("a", [0, 0, 0, 0], statuses=["ok", "timeout", "error", "timeout"]),
+          result("b", [1, 1, 1, 1]),
+          QuestionResult(3, "b", "1")]  # too long: never generated
+    m = aggregate(rs)
+    assert m["questions"] == 3 and m["too_long"] == 1 and m["samples"] == 12
+    assert m["avg_at_n"] == pytest.approx((0.25 + 0 + 1) / 3)
+    assert m["pass_at_n"] == pytest.approx(2 / 3)
+    assert (m["verifier_timeouts"], m["verifier_errors"], m["truncated"]) == (2, 1, 2)
+    assert m["truncated_frac"] == pytest.approx(2 / 12) and m["response_tokens_mean"] == 10
+    s = summarize(rs)
+    assert list(s["by_source"]) == ["a", "b"] and s["overall"] == m
+    assert s["by_source"]["a"]["avg_at_n"] == pytest.approx(0.125) and s["by_source"]["a"]["pass_at_n"] == 0.5
+    assert s["by_source"]["b"]["pass_at_n"] == 1.0 and s["by_source"]["b"]["too_long"] == 1
+    empty = aggregate([QuestionResult(0, "c", "1")])
+    assert empty["avg_at_n"] is None and empty["pass_at_n"] is None and empty["too_long"] == 1
+    table = format_table({"samples": 4, **s})
+    assert "avg@4" in table and "pass@4" in table and table.splitlines()[-1].startswith("overall")
+
+
+def test_report_json_and_default_path(tmp_path, monkeypatch):
+    report = {"samples": 1, **summarize([result("a", [1])]), "questions": [result("a", [1])]}
+    write_report(report, tmp_path / "r.json")
+    row = json.loads((tmp_path / "r.json").read_text())["questions"][0]
+    assert row["rewards"] == [1] and "completions" not in row
+    write_report(report, tmp_path / "r.json", save_completions=True)
+    assert json.loads((tmp_path / "r.json").read_text())["questions"][0]["completions"] == ["x"]
+    (tmp_path / "model").mkdir()
+    assert default_out(str(tmp_path / "model")).parent == tmp_path
+    monkeypatch.chdir(tmp_path / "model")
+    assert default_out("org/hub-id").parent == tmp_path / "model"
+
+
+def test_limit_is_per_data_source(tmp_path):
+    rows = [{"problem": f"q{i}", "answer": str(i), "data_source": "ab"[i % 2]} for i in range(6)]
+    rows.append({"problem": "no answer"})  # bad rows are skipped and listed, not fatal
+    f = tmp_path / "mix.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    qs, prompts, skipped = prepare([str(f)], 2, None, "Q: {problem}", None, False)
+    assert [(q.source, q.answer) for q in qs] == [("a", "0"), ("b", "1"), ("a", "2"), ("b", "3")]
+    assert prompts[0] == "Q: q0" and len(skipped) == 1
+
+
+class ChatTokenizer:
+    chat_template = "stub"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize("rel", sorted(str(p.relative_to(SHARED_DATA)) for p in SHARED_DATA.rglob("*")
+                                       if p.suffix in (".jsonl", ".json", ".parquet")) or ["(none)"])
+def test_every_shared_file_loads_and_renders(rel):
+    if rel == "(none)":
+        pytest.skip(f"no shared data under {SHARED_DATA}")
+    qs, prompts, _ = prepare([str(SHARED_DATA / rel)], 3, ChatTokenizer(), "{problem}", None, False)
+    assert qs and len(prompts) == len(qs) and all(p.strip() for p in prompts) and all(q.answer for q in qs)
+    assert max(sum(q.source == s for q in qs) for s in {q.source for q in qs}) <= 3
+
+
+class StubEngine:
+    """Answers prompt P with the texts COMPLETIONS[P], as token ids (one char each)."""
+    COMPLETIONS = {"p0": ["\\boxed{4}", "\\boxed{5}"], "p1": ["\\boxed{6630}", "no idea"],
+                   "p2": ["so it is 0.5", "$\\frac{2}{4}$"], "p3": ["\\boxed{1}", "\\boxed{2}"]}
+
+    def __init__(self, *args, **kwargs):
+        self.llm = self
+        self.closed = False
+
+    def get_tokenizer(self):
+        return self
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+    def generate(self, prompts, n, temperature, max_tokens):
+        from actors.engine import Sample
+
+        return [(np.zeros(1, np.int32), [Sample(np.array([ord(c) for c in t], np.int32), np.zeros(len(t), np.float32),
+                                                "length" if "idea" in t else "stop") for t in self.COMPLETIONS[p][:n]])
+                for p in prompts]
+
+    def close(self):
+        pass
+
+
+def test_scoring_any_gold_may_match(monkeypatch):
+    import actors.engine
+    from actors.evaluate import EvalJob
+
+    monkeypatch.setattr(actors.engine, "VLLMEngine", StubEngine)
+    cfg = load_config(None, [])
+    job = EvalJob("stub", cfg.model, cfg.actor.engine, cfg.actor.verifier, 2, 1.0, 16, 0, 1)
+    golds = [["4"], ["6630.65", "6630"], ["\\frac{1}{2}"], ["7"]]
+    results = [QuestionResult(i, "s", g[0]) for i, g in enumerate(golds)]
+    out = run_shard(job, ["p0", "p1", "p2", "p3"], golds, results)
+    assert [r.rewards for r in out] == [[1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    assert out[1].finish_reasons == ["stop", "length"] and out[0].tokens == [9, 9]
+    m = aggregate(out)
+    assert m["avg_at_n"] == pytest.approx(0.5) and m["pass_at_n"] == 0.75 and m["truncated"] == 1
+
+
+def test_cli_rejects_missing_model_and_bad_numbers(capsys):
+    assert cli_main(["eval", "--data", "x.jsonl"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert cli_main(["eval", "--model", "m", "--data", "x.jsonl", "--samples", "0"]) == 2
+    assert "--samples" in capsys.readouterr().err
