@@ -195,3 +195,6 @@ class AsyncVLLMEngine:
             await self.close_weight_sync()
         finally:
             self.llm.shutdown()
+            # drop it now: AsyncLLM.__del__ calls shutdown again, which fails (harmlessly, but with a
+            # traceback) if it only runs at interpreter exit, after the modules it uses are gone
+            self.llm = None

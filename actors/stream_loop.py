@@ -45,6 +45,7 @@ class StreamActor:
         self.weights_ready = asyncio.Event()  # cleared while an update is in progress
         self.updates: list[dict] = []  # in-flight update timings not yet reported to the learner
         self.busy_since: float | None = None  # wall time with at least one group generating
+        self.failed: list[BaseException] = []  # exceptions of generation tasks, raised by the controller
         stats.update(busy_seconds=0.0, updates=0, stall_seconds=0.0, resubmitted=0)
 
     async def _io(self, fn, *args):
@@ -105,6 +106,8 @@ class StreamActor:
             while True:
                 if sender.done():
                     sender.result()  # re-raises what stopped the sender
+                if self.failed:
+                    raise self.failed[0]  # a generation task died: fail loudly, the learner re-issues its work
                 free = e.max_inflight_groups - len(running)
                 if free <= 0:
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -129,7 +132,7 @@ class StreamActor:
                     for it in reply["items"]:
                         task = asyncio.create_task(self.generate(it, int(reply["max_tokens"]), finished))
                         running.add(task)
-                        task.add_done_callback(running.discard)
+                        task.add_done_callback(self._task_done(running))
                         if self.busy_since is None:
                             self.busy_since = time.monotonic()
                 else:
@@ -138,6 +141,13 @@ class StreamActor:
             for t in list(running) + [sender]:
                 t.cancel()  # a cancelled generate aborts its vLLM request
             await asyncio.gather(*running, sender, return_exceptions=True)
+
+    def _task_done(self, running: set):
+        def done(task: asyncio.Task) -> None:
+            running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self.failed.append(task.exception())
+        return done
 
     def _busy_seconds(self, running: set) -> float:
         """Cumulative seconds with at least one group generating (for the learner's actor-idle figure)."""
