@@ -62,6 +62,15 @@ def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on
     return kwargs
 
 
+def sampling_params(n: int, temperature: float, max_tokens: int, seed: int | None = None, final_only: bool = False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+    return SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
+                          detokenize=False, seed=seed, output_kind=kind)
+
+
 def to_samples(out) -> tuple[np.ndarray, list[Sample]]:
     """A vLLM RequestOutput (sampled with logprobs=0) as (prompt ids, samples)."""
     samples = []
@@ -84,11 +93,11 @@ class VLLMEngine:
         self.tp = cfg.tensor_parallel_size if not on_cpu else 1
         self.policy_version = 0
 
-    def generate(self, prompts: list[str], n: int, temperature: float, max_tokens: int) -> list[tuple[np.ndarray, list[Sample]]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens,
-                                logprobs=0, detokenize=False)
+    def generate(self, prompts: list[str], n: int, temperature: float, max_tokens: int,
+                 seeds: list[int | None] | None = None) -> list[tuple[np.ndarray, list[Sample]]]:
+        """n samples per prompt; `seeds` (one per prompt, None = the engine's RNG) make them reproducible."""
+        seeds = seeds or [None] * len(prompts)
+        params = [sampling_params(n, temperature, max_tokens, seed) for seed in seeds]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [to_samples(o) for o in outs]
 
@@ -137,13 +146,10 @@ class AsyncVLLMEngine:
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
 
-    async def generate_group(self, prompt: str, n: int, temperature: float, max_tokens: int) -> tuple[np.ndarray, list[Sample]]:
+    async def generate_group(self, prompt: str, n: int, temperature: float, max_tokens: int,
+                             seed: int | None = None) -> tuple[np.ndarray, list[Sample]]:
         """n samples of one prompt; a sample cut by a pause in `abort` mode has finish_reason "abort"."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens,
-                                logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = sampling_params(n, temperature, max_tokens, seed, final_only=True)
         self._ids += 1
         final = None
         async for out in self.llm.generate(prompt, params, f"g{self._ids}"):

@@ -205,7 +205,8 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
             by_params.setdefault((it["n"], it["temperature"]), []).append(it)
         for (n, temp), items in by_params.items():
             t0 = time.perf_counter()
-            outs = engine.generate([it["prompt"] for it in items], n, temp, int(reply["max_tokens"]))
+            outs = engine.generate([it["prompt"] for it in items], n, temp, int(reply["max_tokens"]),
+                                   [it.get("seed") for it in items])
             gen_s = time.perf_counter() - t0
             stats["gen_seconds"] += gen_s
             done = [(it, prompt_ids, samples, engine.policy_version, gen_s) for it, (prompt_ids, samples) in zip(items, outs)]

@@ -177,7 +177,8 @@ class StreamActor:
         while True:
             await self.weights_ready.wait()
             version, t0 = self.engine.policy_version, time.perf_counter()
-            prompt_ids, samples = await self.engine.generate_group(it["prompt"], it["n"], it["temperature"], max_tokens)
+            prompt_ids, samples = await self.engine.generate_group(it["prompt"], it["n"], it["temperature"], max_tokens,
+                                                                   it.get("seed"))
             if all(s.finish_reason != "abort" for s in samples):
                 break
             self.stats["resubmitted"] += 1  # cut by an update in "abort" mode: again, on the new weights

@@ -84,6 +84,10 @@ class RolloutConfig(_Strict):
     """How many questions an actor takes from the learner in one work request."""
     eval_temperature: float = Field(1.0, ge=0)
     """Temperature of held-out evaluation samples (0 = greedy)."""
+    seeded: bool = False
+    """Seed every vLLM request from (learner.seed, question, policy version at dispatch), so rollouts no
+    longer depend on which actor drew them or on an actor's RNG history: with max_staleness=0 a run
+    resumed from a checkpoint repeats the uninterrupted one."""
     eval_samples: int = Field(8, gt=0)
     """Samples per held-out question; accuracy is their mean (avg@n)."""
 

@@ -18,8 +18,10 @@ with the crashed process, so a checkpoint records it as queued again (see `state
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,14 +46,16 @@ class WorkItem:
     dispatched_at: float = 0.0
     min_version: int = 0
     replay: Any = None  # ExGRPO: the stored trajectory replayed beside the n fresh samples
+    seed: int | None = None  # vLLM sampling seed (set at dispatch when seeded sampling is on)
 
 
 class Dispatcher:
     def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int,
-                 exclude_questions=None):
+                 exclude_questions=None, sampling_seed: int | None = None):
         self._next_question = next_question  # callable -> question id (the epoch sampler)
         self._exclude_questions = exclude_questions  # callable(set of ids): drop from later epochs
         self.B, self.K, self.temperature, self.eta = questions_per_step, samples, temperature, max_staleness
+        self.sampling_seed = sampling_seed  # None: vLLM's own RNG; else every item gets a derived seed
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._retry: deque[int] = deque()
@@ -90,7 +94,16 @@ class Dispatcher:
                 out.append(item)
             for item in out:
                 self.outstanding[item.work_id] = item
+                if self.sampling_seed is not None:
+                    item.seed = self._seed(item)
         return out
+
+    def _seed(self, item: WorkItem) -> int:
+        """A function of what the item is and when it is handed out, not of which actor gets it or of the
+        work id (which a restarted learner changes): the same run replayed draws the same samples."""
+        kind = {"train": 0, "eval": 1}[item.purpose] + 2 * (item.replay is not None)
+        key = struct.pack("<qqqqqd", self.sampling_seed, item.question_id, self.version, kind, item.n, item.temperature)
+        return zlib.crc32(key) & 0x7FFFFFFF
 
     def complete(self, work_id: int) -> WorkItem | None:
         """The item whose rollouts just arrived, or None if it is unknown or already completed."""

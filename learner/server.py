@@ -212,7 +212,8 @@ class LearnerServer:
             pool = "eval" if it.purpose == "eval" else "train"
             q = self.questions[pool][it.question_id]
             entry = {"work_id": it.work_id, "question_id": it.question_id, "prompt": self.prompts[pool][it.question_id],
-                     "answer": q.answer, "n": it.n, "temperature": it.temperature, "purpose": it.purpose}
+                     "answer": q.answer, "n": it.n, "temperature": it.temperature, "purpose": it.purpose,
+                     "seed": it.seed}
             if it.replay is not None:  # ExGRPO: the actor re-verifies the replayed trajectory
                 entry["replay_ids"] = it.replay.token_ids.astype("<i4").tobytes()
             payload.append(entry)

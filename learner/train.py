@@ -169,7 +169,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     K, B, L_max = cfg.rollout.samples_per_question, L.questions_per_step, cfg.rollout.max_new_tokens
 
     # --- process shell: dispatcher, weight publisher, server; version 0 is published first ---------
-    dispatcher = Dispatcher(sampler.next, B, K, cfg.rollout.temperature, L.max_staleness, sampler.exclude)
+    dispatcher = Dispatcher(sampler.next, B, K, cfg.rollout.temperature, L.max_staleness, sampler.exclude,
+                            sampling_seed=L.seed if cfg.rollout.seeded else None)
     X = cfg.exgrpo  # experience replay (ExGRPO); everything below guarded by X.enabled
     buffer = ExperienceBuffer(K, X.max_trajectories, seed=L.seed)
     prompt_ids_of: dict[int, list[int]] = {}  # question id -> prompt token ids, for replay scoring
@@ -252,6 +253,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     dispatcher.reissue(item.question_id)
                     continue
                 batch.append((item, group))
+            batch.sort(key=lambda b: b[0].work_id)  # dispatch order, not arrival order: reproducible updates
             t_wait = time.time() - t_step
 
             # 2) flatten into sequences; an experience group is its replayed trajectory + K-1 fresh samples

@@ -83,3 +83,21 @@ def test_expired_work_is_reissued_and_late_replies_are_rejected():
     again = d.take("alive", 0, 10)
     assert [w.question_id for w in again[:2]] == [w.question_id for w in held]
     assert all(d.complete(w.work_id) is None for w in held)  # the frozen actor's late rollouts: dropped
+
+
+def test_seeded_items_depend_on_question_and_version_not_on_actor_or_work_id():
+    import itertools
+
+    def seeds(order, version, actor):
+        d = Dispatcher(iter(order).__next__, questions_per_step=4, samples=8, temperature=1.0, max_staleness=0,
+                       sampling_seed=7)
+        d._ids = itertools.count(1000 if actor == "b" else 1)  # a restarted learner numbers work differently
+        d.version = version
+        return {it.question_id: it.seed for it in d.take(actor, version, 4)}
+
+    a = seeds([3, 1, 2, 0], 5, "a")
+    assert a == seeds([3, 1, 2, 0], 5, "b")  # another actor, other work ids: the same samples
+    assert len(set(a.values())) == 4 and all(0 <= s < 2**31 for s in a.values())
+    assert a[3] != seeds([3, 1, 2, 0], 6, "a")[3]  # a new version draws new samples
+    unseeded = Dispatcher(iter([1]).__next__, 4, 8, 1.0, 0)
+    assert unseeded.take("a", 0, 1)[0].seed is None
