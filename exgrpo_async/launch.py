@@ -58,8 +58,13 @@ def new_run_dir(output_dir: str) -> Path:
     return run_dir
 
 
-def _spawn(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=_die_with_parent)
+def _spawn(args: list[str], env: dict, cores: set[int] | None = None) -> subprocess.Popen:
+    def setup() -> None:
+        _die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=setup)
 
 
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
@@ -80,16 +85,18 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
+        cores = sorted(os.sched_getaffinity(0))
+        # actors take cores 0..n-1; cores left over go to the learner, so training never steals an actor's core
+        spare = set(cores[cfg.actor.num_actors:]) if len(cores) > cfg.actor.num_actors > 0 else None
         learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                           *(["--resume"] if resume_dir else [])],
-                         dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)))
+                         dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)), spare)
         children.append(learner)
         while not (run_dir / "learner.json").exists():
             if learner.poll() is not None or stopping:
                 raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
             time.sleep(0.2)
         address = json.loads((run_dir / "learner.json").read_text())["address"]
-        cores = sorted(os.sched_getaffinity(0))
         actor_args = []
         for i in range(cfg.actor.num_actors):
             args = ["actor", "--learner", address]
