@@ -117,6 +117,9 @@ class Inbox:
                 log.warning("waiting for rollouts, but no actor is connected")
                 self._last_warn = time.monotonic()
             return
+        self.add(item, group)
+
+    def add(self, item: WorkItem, group: RolloutGroup) -> None:
         (self.eval if item.purpose == "eval" else self.train).append((item, group))
 
 
@@ -198,9 +201,10 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     def checkpoint(step: int) -> None:
         while True:  # groups already received wait in the loop's inbox; the checkpoint re-queues them
             try:
-                inbox.train.append(server.inbox.get_nowait())
+                item, group = server.inbox.get_nowait()
             except queue.Empty:
                 break
+            inbox.add(item, group)
         state = {"version": version, "opt_updates": opt_updates, "mixed": mixed, "totals": totals,
                  "rng": rng.getstate(), "first_sync_checked": first_sync_checked,
                  "bucket_at_selection": bucket_at_selection, "prompt_ids_of": pack_ragged(prompt_ids_of),
