@@ -127,17 +127,18 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
     """Serve one learner (and its restarts) until it says stop; returns the actor's counters."""
     stats = {"groups": 0, "tokens": 0, "syncs": 0, "sync_seconds": 0.0, "gen_seconds": 0.0, "rejoins": 0}
     patience = request_timeout_s
-    engine = verifier = cfg = None
+    engine = verifier = None
     sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
-    if config_from_json(welcome["config"]).actor.engine.kind == "stream":
+    cfg = config_from_json(welcome["config"])
+    if cfg.actor.engine.kind == "stream":
         from actors.stream_loop import serve_stream
 
-        return serve_stream(learner_address, keys_dir, sock, welcome, config_from_json(welcome["config"]), on_cpu, stats)
+        return serve_stream(learner_address, keys_dir, sock, welcome, cfg, on_cpu, stats)
     try:
         while True:
             if sock is None:
                 sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
-            cfg = config_from_json(welcome["config"])
+                cfg = config_from_json(welcome["config"])
             heartbeat = Heartbeat(learner_address, keys_dir, welcome["actor_id"], cfg.transport.heartbeat_s)
             try:
                 if engine is None:
@@ -145,7 +146,7 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
                 serve_batch(sock, welcome, cfg, engine, verifier, stats)
                 return stats
             except LearnerLost as e:
-                if cfg is None or cfg.transport.reconnect_s <= 0:
+                if cfg.transport.reconnect_s <= 0:
                     raise
                 patience = cfg.transport.reconnect_s
                 stats["rejoins"] += 1
@@ -170,10 +171,18 @@ def start_batch_engine(cfg: RunConfig, actor_id: str, on_cpu: bool):
     from actors.engine import VLLMEngine
 
     log.info("%s: starting vLLM on %s", actor_id, cfg.model.path)
-    engine = VLLMEngine(cfg.model.path, cfg.model, cfg.actor.engine, on_cpu=on_cpu,
-                        seed=cfg.learner.seed + int(actor_id.rsplit("-", 1)[-1]))
+    engine = VLLMEngine(cfg.model.path, cfg.model, cfg.actor.engine, on_cpu=on_cpu, seed=engine_seed(cfg, actor_id))
+    return engine, make_verifier(cfg)
+
+
+def engine_seed(cfg: RunConfig, actor_id: str) -> int:
+    """Each actor's vLLM RNG seed: the learner seed plus the actor's number."""
+    return cfg.learner.seed + int(actor_id.rsplit("-", 1)[-1])
+
+
+def make_verifier(cfg: RunConfig) -> MathVerifier:
     v = cfg.actor.verifier
-    return engine, MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb)
+    return MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb)
 
 
 def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifier: MathVerifier, stats: dict) -> None:

@@ -23,8 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import Heartbeat, LearnerLost, join, request, score_groups
-from actors.verifier import MathVerifier
+from actors.loop import Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.transport import ActorSocket
 from exgrpo_async.wire import encode_control, encode_rollouts
@@ -57,9 +56,8 @@ class StreamActor:
         log.info("%s: starting vLLM AsyncLLM on %s", actor_id, self.cfg.model.path)
         e = self.cfg.actor.engine
         self.engine = AsyncVLLMEngine(self.cfg.model.path, self.cfg.model, e, self.on_cpu,
-                                      seed=self.cfg.learner.seed + int(actor_id.rsplit("-", 1)[-1]))
-        v = self.cfg.actor.verifier
-        self.verifier = MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb)
+                                      seed=engine_seed(self.cfg, actor_id))
+        self.verifier = make_verifier(self.cfg)
         self.tokenizer = self.engine.get_tokenizer()
         try:
             while True:

@@ -45,7 +45,6 @@ class ActorInfo:
     version: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     joined_at: float = field(default_factory=time.monotonic)
-    busy_s: float = 0.0  # the actor's own count of seconds spent generating
     jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
 
@@ -149,7 +148,7 @@ class LearnerServer:
         thread = threading.Thread(target=self._sync_worker, args=(info.jobs,), name=f"weight-sync-{info.actor_id}",
                                   daemon=True)
         thread.start()
-        self._sync_threads.append(thread)
+        self._sync_threads = [t for t in self._sync_threads if t.is_alive()] + [thread]  # rejoins add threads
         info.jobs.put(("open", info.group_key, world))
         ws = {"host": self.publisher.host, "port": self.publisher.port, "prefix": f"ws/{info.group_key}/",
               "world_size": world, "backend": self.backend, "timeout_s": self.cfg.weight_sync.timeout_s}

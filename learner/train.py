@@ -332,13 +332,17 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     else:  # recomputed before the first update; replayed rows keep their own slot
                         prox = scatter_completion([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)],
                                                   packed["target_mask"]).to(device)
-                    fresh_rows = ~replay_rows
-                    if mb == 0 or correcting:
-                        zero_stale = torch.tensor([s.staleness == 0 for s in micro], device=device)
-                        for key, rows in (("mismatch", fresh_rows & zero_stale), ("behaviour", fresh_rows)):
-                            total, n = mismatch_kl(prox, behav, rows.unsqueeze(-1) & mask)
+                    fresh = (~replay_rows).unsqueeze(-1) & mask
+                    # tokens vLLM sampled with the very weights the learner has now: pure numerics
+                    own_version = fresh & torch.tensor([s.staleness == 0 for s in micro], device=device).unsqueeze(-1)
+                    if mb == 0 or correcting:  # prox is the pre-update policy here
+                        for key, m in (("mismatch", own_version), ("behaviour", fresh)):
+                            total, n = mismatch_kl(prox, behav, m)
                             kl[key][0] += total
                             kl[key][1] += n
+                    if mb == 0 and own_version.any():
+                        d_ = float(((prox - behav).abs() * own_version).max())
+                        diff_max = d_ if diff_max is None else max(diff_max, d_)
                     loss, st = policy_loss(logp, behav, adv, mask, clip, normalizer,
                                            replay_mask=replay_rows.unsqueeze(-1) & mask if X.enabled else None,
                                            shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
@@ -352,12 +356,6 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     loss.backward()
                     mb_loss += float(loss.detach())
                     stats_acc.append(st)
-                    if mb == 0:  # before any update this step
-                        fresh_rows = torch.tensor([s.staleness == 0 and not s.replay for s in micro], device=device)
-                        fresh = fresh_rows.unsqueeze(-1) & mask
-                        if fresh.any():  # learner vs vLLM on the same weights
-                            d_ = float(((logp.detach() - behav).abs() * fresh).max())
-                            diff_max = d_ if diff_max is None else max(diff_max, d_)
                     if X.pi_past == "learner":
                         for r, i in enumerate(idx):
                             if seqs[i].collect:
