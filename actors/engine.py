@@ -13,8 +13,8 @@ Two engines, one per actor loop (`actor.engine.kind`):
     close()
 - `AsyncVLLMEngine` ("stream"): vLLM's `AsyncLLM`; groups stream in and out one at a time and the
   weights change in flight (cpu-vllm.md section 6): prefetch the broadcast while generating, pause
-  (`wait`: running groups finish on the old weights; `abort`: they are cut and resubmitted), load,
-  reset the prefix cache, resume. Same methods as coroutines, plus `generate_group`.
+  (`wait`: running groups finish on the old weights; `abort`: they are cut and resubmitted) with the
+  prefix cache cleared, load, resume. Same methods as coroutines, plus `generate_group`.
 """
 
 from __future__ import annotations
@@ -181,11 +181,12 @@ class AsyncVLLMEngine:
         while not all(await self.llm.collective_rpc("ws_prefetch_done")):  # generation goes on meanwhile
             await asyncio.sleep(0.005)
         t_pause = time.perf_counter()
-        await self.llm.pause_generation(mode=mode, clear_cache=True)  # clear_cache: KV of old weights
+        # clear_cache drops the prefix cache (KV of the old weights) once the engine is idle; nothing runs
+        # until the resume, so no KV of the old weights can be cached after it
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
         t_paused = time.perf_counter()
         try:
             await self.llm.collective_rpc("ws_commit")
-            await self.llm.reset_prefix_cache()
             self.policy_version = version
         finally:
             await self.llm.resume_generation()

@@ -6,7 +6,7 @@ in its own child process, pinned with this process to core 0, 64 MiB KV cache) k
 `--concurrency` groups (n=4, T=1, 64 tokens) resubmitted as they finish. Per mode (`wait`, `abort`)
 `--repeats` updates after one warm-up, one every ~0.5 s of generation: the learner packs a new
 version, replies with meta and broadcasts; the actor runs `update_in_flight` (prefetch during
-generation, pause, commit, reset prefix cache, resume). Columns (medians):
+generation, pause with the prefix cache cleared, commit, resume). Columns (medians):
 - stall: seconds the engine was stopped (pause returned -> resumed; abort: from the pause call);
 - pause: the pause call itself (the drain in `wait`); total: request -> resumed;
 - bare: the same bytes broadcast over a plain gloo group between the same processes into reused
