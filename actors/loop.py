@@ -25,9 +25,11 @@ import time
 import numpy as np
 import zmq
 
+from actors.metrics import ActorMetrics, start_actor_metrics, warn_verifier_timeouts
 from actors.verifier import MathVerifier
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.rollout import Completion, RolloutGroup
+from exgrpo_async.logs import setup_logging
 from exgrpo_async.transport import ActorSocket
 from exgrpo_async.wire import encode_control, encode_rollouts
 
@@ -95,17 +97,22 @@ def request(sock: ActorSocket, frames: list, timeout_s: float) -> dict:
     return reply
 
 
-def score_groups(verifier: MathVerifier, tokenizer, actor_id: str,
-                 done: list[tuple[dict, np.ndarray, list, int, float]]) -> list[RolloutGroup]:
+def score_groups(verifier: MathVerifier, tokenizer, actor_id: str, done: list[tuple[dict, np.ndarray, list, int, float]],
+                 metrics: ActorMetrics | None = None, timeout_warning_frac: float = 1.0) -> list[RolloutGroup]:
     """Verify every completion of `done` = [(work item, prompt ids, samples, version, gen seconds)] in
     one pool call, the ExGRPO replayed trajectories sent with experience items too (their reward goes
-    to `extra`), and build the rollout groups."""
+    to `extra`), and build the rollout groups. Warns when more than `timeout_warning_frac` of the
+    call's verifications time out."""
     decode = lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False)  # noqa: E731
     texts = [(decode(s.token_ids), it["answer"]) for it, _, samples, _, _ in done for s in samples]
     replays = [(i, np.frombuffer(it["replay_ids"], dtype="<i4")) for i, (it, *_) in enumerate(done)
                if isinstance(it.get("replay_ids"), bytes)]
     texts += [(decode(ids), done[i][0]["answer"]) for i, ids in replays]
     all_scores = verifier.score(texts)
+    statuses = [status for _, status in all_scores]
+    warn_verifier_timeouts(actor_id, statuses, timeout_warning_frac)
+    if metrics is not None:
+        metrics.observe_verify(statuses, verifier.last_latencies)
     n_fresh = len(all_scores) - len(replays)
     replay_scores = {i: all_scores[n_fresh + j] for j, (i, _) in enumerate(replays)}
     scores = iter(all_scores[:n_fresh])
@@ -130,26 +137,35 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
     engine = verifier = None
     sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
     cfg = config_from_json(welcome["config"])
+    setup_logging("actor", welcome["actor_id"])
+    metrics = start_actor_metrics(cfg, welcome["actor_id"])
     if cfg.actor.engine.kind == "stream":
         from actors.stream_loop import serve_stream
 
-        return serve_stream(learner_address, keys_dir, sock, welcome, cfg, on_cpu, stats)
+        try:
+            return serve_stream(learner_address, keys_dir, sock, welcome, cfg, on_cpu, stats, metrics)
+        finally:
+            if metrics is not None:
+                metrics.close()
     try:
         while True:
             if sock is None:
                 sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
                 cfg = config_from_json(welcome["config"])
+                setup_logging("actor", welcome["actor_id"])
             heartbeat = Heartbeat(learner_address, keys_dir, welcome["actor_id"], cfg.transport.heartbeat_s)
             try:
                 if engine is None:
                     engine, verifier = start_batch_engine(cfg, welcome["actor_id"], on_cpu)
-                serve_batch(sock, welcome, cfg, engine, verifier, stats)
+                serve_batch(sock, welcome, cfg, engine, verifier, stats, metrics)
                 return stats
             except LearnerLost as e:
                 if cfg.transport.reconnect_s <= 0:
                     raise
                 patience = cfg.transport.reconnect_s
                 stats["rejoins"] += 1
+                if metrics is not None:
+                    metrics.rejoins.inc()
                 log.warning("lost the learner (%s); rejoining for up to %.0fs", e, patience)
                 if engine is not None:
                     engine.close_weight_sync()
@@ -165,6 +181,8 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
             verifier.close()
         if engine is not None:
             engine.close()
+        if metrics is not None:
+            metrics.close()
 
 
 def start_batch_engine(cfg: RunConfig, actor_id: str, on_cpu: bool):
@@ -185,14 +203,24 @@ def make_verifier(cfg: RunConfig) -> MathVerifier:
     return MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb)
 
 
-def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifier: MathVerifier, stats: dict) -> None:
+def work_request(version: int, busy_s: float, metrics: ActorMetrics | None, **extra) -> list:
+    """A work request; it carries the actor's metrics endpoint so the learner can list it for Prometheus."""
+    if metrics is not None:
+        extra["metrics"] = metrics.address
+    return encode_control("work", version=version, busy_s=busy_s, **extra)
+
+
+def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifier: MathVerifier, stats: dict,
+                metrics: ActorMetrics | None = None) -> None:
     actor_id, ws = welcome["actor_id"], welcome["weights"]
     engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"], ws["timeout_s"])
     engine.policy_version = -1  # nothing counts until the first broadcast has arrived
+    if metrics is not None:
+        metrics.version.set(-1)
     tokenizer = engine.llm.get_tokenizer()
     timeout = cfg.transport.request_timeout_s
     while True:
-        reply = request(sock, encode_control("work", version=engine.policy_version, busy_s=stats["gen_seconds"]), timeout)
+        reply = request(sock, work_request(engine.policy_version, stats["gen_seconds"], metrics), timeout)
         kind = reply["t"]
         if kind == "stop":
             log.info("%s: done (%s)", actor_id, stats)
@@ -202,8 +230,11 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
             continue
         if kind == "resync":
             sync = request(sock, encode_control("sync", version=engine.policy_version), timeout)
-            stats["sync_seconds"] += engine.load_weights(sync["meta"], int(sync["version"]))
+            seconds = engine.load_weights(sync["meta"], int(sync["version"]))
+            stats["sync_seconds"] += seconds
             stats["syncs"] += 1
+            if metrics is not None:
+                metrics.observe_sync(int(sync["version"]), seconds)
             continue
         if kind != "work":
             raise RuntimeError(f"unexpected reply {kind!r} from the learner")
@@ -213,13 +244,21 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
         for it in reply["items"]:
             by_params.setdefault((it["n"], it["temperature"]), []).append(it)
         for (n, temp), items in by_params.items():
+            if metrics is not None:
+                metrics.inflight.set(len(items))
             t0 = time.perf_counter()
             outs = engine.generate([it["prompt"] for it in items], n, temp, int(reply["max_tokens"]),
                                    [it.get("seed") for it in items])
             gen_s = time.perf_counter() - t0
             stats["gen_seconds"] += gen_s
             done = [(it, prompt_ids, samples, engine.policy_version, gen_s) for it, (prompt_ids, samples) in zip(items, outs)]
-            for group in score_groups(verifier, tokenizer, actor_id, done):
+            for group in score_groups(verifier, tokenizer, actor_id, done, metrics,
+                                      cfg.metrics.verifier_timeout_warning_frac):
                 sock.send(encode_rollouts(group))
                 stats["groups"] += 1
                 stats["tokens"] += group.num_tokens
+                if metrics is not None:
+                    metrics.observe_sent(group)
+            if metrics is not None:
+                metrics.gen_seconds.inc(gen_s)
+                metrics.inflight.set(0)

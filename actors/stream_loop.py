@@ -23,8 +23,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups
+from actors.loop import Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups, work_request
+from actors.metrics import ActorMetrics
 from exgrpo_async.config import RunConfig, config_from_json
+from exgrpo_async.logs import setup_logging
 from exgrpo_async.transport import ActorSocket
 from exgrpo_async.wire import encode_control, encode_rollouts
 
@@ -32,13 +34,15 @@ log = logging.getLogger("exgrpo_async.actor")
 
 
 def serve_stream(address: str, keys_dir: str | None, sock: ActorSocket, welcome: dict, cfg: RunConfig, on_cpu: bool,
-                 stats: dict) -> dict:
-    return asyncio.run(StreamActor(address, keys_dir, cfg, on_cpu, stats).run(sock, welcome))
+                 stats: dict, metrics: ActorMetrics | None = None) -> dict:
+    return asyncio.run(StreamActor(address, keys_dir, cfg, on_cpu, stats, metrics).run(sock, welcome))
 
 
 class StreamActor:
-    def __init__(self, address: str, keys_dir: str | None, cfg: RunConfig, on_cpu: bool, stats: dict):
+    def __init__(self, address: str, keys_dir: str | None, cfg: RunConfig, on_cpu: bool, stats: dict,
+                 metrics: ActorMetrics | None = None):
         self.address, self.keys_dir, self.cfg, self.on_cpu, self.stats = address, keys_dir, cfg, on_cpu, stats
+        self.metrics = metrics
         self.io = ThreadPoolExecutor(1, thread_name_prefix="zmq")  # the socket's only thread
         self.verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
         self.weights_ready = asyncio.Event()  # cleared while an update is in progress
@@ -68,12 +72,15 @@ class StreamActor:
                     if self.cfg.transport.reconnect_s <= 0:
                         raise
                     self.stats["rejoins"] += 1
+                    if self.metrics is not None:
+                        self.metrics.rejoins.inc()
                     log.warning("lost the learner (%s); rejoining for up to %.0fs", err, self.cfg.transport.reconnect_s)
                     self.heartbeat.stop()
                     await self._io(sock.close)
                     await self.engine.close_weight_sync()
                     sock, welcome = await self._io(join, self.address, self.keys_dir, self.cfg.transport.reconnect_s,
                                                    self.cfg.transport.request_timeout_s)
+                    setup_logging("actor", welcome["actor_id"])
                     self.heartbeat = Heartbeat(self.address, self.keys_dir, welcome["actor_id"],
                                                self.cfg.transport.heartbeat_s)
                     if config_from_json(welcome["config"]).model.path != self.cfg.model.path:
@@ -95,6 +102,8 @@ class StreamActor:
         await self.engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"],
                                            ws["timeout_s"])
         self.engine.policy_version = -1  # nothing counts until the first broadcast has arrived
+        if self.metrics is not None:
+            self.metrics.version.set(-1)
         self.weights_ready.set()
         timeout, qpr = self.cfg.transport.request_timeout_s, self.cfg.rollout.questions_per_request
         finished: asyncio.Queue = asyncio.Queue()
@@ -110,10 +119,12 @@ class StreamActor:
                 if free <= 0:
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                head = {"version": self.engine.policy_version, "max_items": min(free, qpr),
-                        "busy_s": self._busy_seconds(running), "updates": self.updates[:16]}
+                if self.metrics is not None:
+                    self.metrics.inflight.set(len(running) + finished.qsize())
+                msg = work_request(self.engine.policy_version, self._busy_seconds(running), self.metrics,
+                                   max_items=min(free, qpr), updates=self.updates[:16])
                 self.updates = self.updates[16:]
-                reply = await self._io(request, sock, encode_control("work", **head), timeout)
+                reply = await self._io(request, sock, msg, timeout)
                 kind = reply["t"]
                 if kind == "stop":
                     await asyncio.gather(*running)
@@ -152,6 +163,8 @@ class StreamActor:
         now = time.monotonic()
         if self.busy_since is not None:
             self.stats["busy_seconds"] += now - self.busy_since
+            if self.metrics is not None:  # engine busy time: overlapping groups count once
+                self.metrics.gen_seconds.inc(now - self.busy_since)
             self.busy_since = now if running else None
         return self.stats["busy_seconds"]
 
@@ -159,6 +172,7 @@ class StreamActor:
         sync = await self._io(request, sock, encode_control("sync", version=self.engine.policy_version), timeout)
         version = int(sync["version"])
         self.weights_ready.clear()
+        t0 = time.perf_counter()
         try:
             if self.engine.policy_version < 0:  # first weights of this learner: nothing of value in flight
                 await self.engine.load_weights(sync["meta"], version)
@@ -167,9 +181,13 @@ class StreamActor:
                 self.updates.append(t)
                 self.stats["updates"] += 1
                 self.stats["stall_seconds"] += t["stall"]
+                if self.metrics is not None:
+                    self.metrics.stall.observe(t["stall"])
         finally:
             self.weights_ready.set()
         self.stats["syncs"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_sync(version, time.perf_counter() - t0)
 
     async def generate(self, it: dict, max_tokens: int, finished: asyncio.Queue) -> None:
         while True:
@@ -191,10 +209,13 @@ class StreamActor:
             while not finished.empty():
                 done.append(finished.get_nowait())
             groups = await loop.run_in_executor(self.verify_pool, score_groups, self.verifier, self.tokenizer,
-                                                actor_id, done)
+                                                actor_id, done, self.metrics,
+                                                self.cfg.metrics.verifier_timeout_warning_frac)
             for g in groups:
                 await self._io(sock.send, encode_rollouts(g))
                 self.stats["groups"] += 1
                 self.stats["tokens"] += g.num_tokens
+                if self.metrics is not None:
+                    self.metrics.observe_sent(g)
             for _ in done:
                 finished.task_done()

@@ -152,6 +152,7 @@ class MathVerifier:
         self.calls = 0
         self.fast_path = 0  # items decided by fast_integer_score without a worker
         self.seconds_total = 0.0
+        self.last_latencies: list[float] = []  # seconds per item of the latest score() call
         self._failed_starts = 0
         self._closed = False
         # Processes start now; they import in the background while the actor loads its model.
@@ -176,13 +177,16 @@ class MathVerifier:
             raise RuntimeError("MathVerifier is closed")
         t0 = time.monotonic()
         results: list[tuple[float, str]] = [(0.0, "error")] * len(items)
+        latencies = [0.0] * len(items)  # per item: fast path, or from hand-off to reply / deadline / crash
         pending = deque()
         for i, (text, gold) in enumerate(items):
+            t_item = time.perf_counter()
             fast = fast_integer_score(text, gold, self.require_think)
             if fast is None:
                 pending.append(i)
             else:
                 results[i] = (fast, "ok")
+                latencies[i] = time.perf_counter() - t_item
                 self.fast_path += 1
         busy: dict[Connection, tuple[_Worker, int, float]] = {}  # conn -> (worker, item index, deadline)
         while pending or busy:
@@ -204,6 +208,7 @@ class MathVerifier:
                     continue
                 pending.popleft()
                 busy[w.conn] = (w, i, time.monotonic() + self.timeout_s)
+                latencies[i] = time.perf_counter()
             # Wait for a reply, a dying worker, a starting worker's readiness, or the nearest deadline.
             starting = [w for w in self._workers if not w.ready]
             now = time.monotonic()
@@ -213,6 +218,7 @@ class MathVerifier:
             for conn in ready:
                 if conn in busy:
                     w, i, _ = busy.pop(conn)
+                    latencies[i] = time.perf_counter() - latencies[i]
                     try:
                         results[i] = (float(conn.recv()), "ok")
                     except (EOFError, OSError):  # crashed on this item (segfault, OOM kill, ...)
@@ -230,6 +236,7 @@ class MathVerifier:
             for conn, (w, i, deadline) in list(busy.items()):
                 if now >= deadline and not conn.poll(0):  # a reply that just arrived still counts
                     del busy[conn]
+                    latencies[i] = time.perf_counter() - latencies[i]
                     results[i] = (0.0, "timeout")
                     self.timeouts += 1
                     self._replace(w)
@@ -237,6 +244,7 @@ class MathVerifier:
                 self._start_failed(w, f"not ready after {_START_TIMEOUT_S:.0f} s")
         self.calls += len(items)
         self.seconds_total += time.monotonic() - t0
+        self.last_latencies = latencies
         return results
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""`exgrpo-async` command line: train (local learner + actors), learner, actor, eval (benchmark scores).
+"""`exgrpo-async` command line: train (local learner + actors), learner, actor, eval (benchmark scores),
+report (a run's Markdown report with plots).
 
 Heavy imports (torch, vLLM) happen inside the commands, so `--help` and config errors are instant.
 Config errors print a readable message and exit 2.
@@ -10,6 +11,13 @@ import argparse
 import os
 import signal
 import sys
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON lines; "
+                   "child processes inherit it (also: EXGRPO_LOG_FORMAT)")
+    return p
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -37,20 +45,21 @@ def _sigterm_exits() -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="exgrpo-async", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p_train = sub.add_parser("train", help="train with a local learner and actors (default: the CPU demo)")
+    common = _common()
+    p_train = sub.add_parser("train", parents=[common], help="train with a local learner and actors (default: the CPU demo)")
     _config_args(p_train)
     p_train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid "
                          "checkpoint (its config.json is the default config; overrides such as learner.max_steps apply)")
-    p_learner = sub.add_parser("learner", help="run the learner process")
+    p_learner = sub.add_parser("learner", parents=[common], help="run the learner process")
     _config_args(p_learner)
     p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
     p_learner.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
-    p_actor = sub.add_parser("actor", help="run one actor process that joins a learner")
+    p_actor = sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner")
     p_actor.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
     p_actor.add_argument("--cpu-core", type=int, help="pin this actor to one CPU core (CPU engines)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
                          "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
-    p_eval = sub.add_parser("eval", help="score a model on benchmark files: avg@N and pass@N per data source",
+    p_eval = sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per data source",
                             description="Sample N completions per question with vLLM, score them with math-verify, "
                             "print a table and write a JSON report. Prompt settings (data.*), dtype (model.dtype), "
                             "engine (actor.engine.*), verifier (actor.verifier.*) and CPU threads per engine "
@@ -72,12 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--seed", type=int, default=0, help="sampling seed (engine process i uses seed+i)")
     p_eval.add_argument("--out", help="JSON report (default: eval-<timestamp>.json next to the model folder)")
     p_eval.add_argument("--save-completions", action="store_true", help="also write every decoded completion")
+    p_report = sub.add_parser("report", parents=[common], help="write a run's report (Markdown + PNG plots)",
+                              description="Read RUN_DIR/metrics.jsonl and summary.json and write RUN_DIR/report/"
+                              "report.md with PNG plots (a train run writes it at its end too).")
+    p_report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/demo/run-...)")
+    p_report.add_argument("--out", help="folder for report.md and the PNGs (default: RUN_DIR/report)")
     args = ap.parse_args(argv)
 
-    from exgrpo_async.logs import setup_logging
+    from exgrpo_async.logs import log_format, setup_logging
 
+    try:
+        log_format(args.log_format)
+    except ValueError as e:  # a bad EXGRPO_LOG_FORMAT
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "report":
+        setup_logging("report", fmt=args.log_format)
+        return _report(args)
     if args.cmd == "train":
-        setup_logging("launch")
+        setup_logging("launch", fmt=args.log_format)
         from exgrpo_async.launch import train
 
         if args.resume and not args.config:
@@ -87,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         return train(_load(args), resume_dir=args.resume)
     if args.cmd == "learner":
-        setup_logging("learner")
+        setup_logging("learner", fmt=args.log_format)
         _sigterm_exits()
         from learner.main import main as learner_main
 
@@ -96,15 +118,29 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return learner_main(_load(args), args.run_dir, args.resume)
     if args.cmd == "actor":
-        setup_logging("actor", str(os.getpid()))
+        setup_logging("actor", str(os.getpid()), fmt=args.log_format)
         _sigterm_exits()
         from actors.main import main as actor_main
 
         return actor_main(args.learner, args.cpu_core, args.keys)
     if args.cmd == "eval":
-        setup_logging("eval")
+        setup_logging("eval", fmt=args.log_format)
         return _eval(args, _load(args))
     return 2
+
+
+def _report(args) -> int:
+    from pathlib import Path
+
+    from exgrpo_async.report import write_report
+
+    try:
+        path = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except (OSError, ValueError) as e:
+        print(f"exgrpo-async: report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
 
 
 def _eval(args, cfg) -> int:

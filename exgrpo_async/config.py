@@ -309,6 +309,25 @@ class MetricsConfig(_Strict):
     port: int | None = Field(0, ge=0, lt=65536)
     """Port of the learner's Prometheus endpoint; 0 picks a free one (written to RUN_DIR/learner.json),
     None turns the endpoint off."""
+    actor_host: str = "127.0.0.1"
+    """Address each actor's Prometheus endpoint binds; a node's own address (or 0.0.0.0, advertised
+    under the host name) when Prometheus scrapes actors on other hosts."""
+    actor_port: int | None = Field(0, ge=0, lt=65536)
+    """Port of each actor's Prometheus endpoint; 0 picks a free one (actors report it to the learner,
+    which lists it in the service-discovery file), None turns actor endpoints off. A fixed port only
+    suits one actor per host."""
+    sd_dir: str | None = None
+    """Folder for a Prometheus file-SD file `<run>.json` (ops/prometheus/prometheus.yml reads
+    ops/prometheus/targets/); it is removed when the learner exits. The learner always writes
+    RUN_DIR/prometheus-targets.json as well."""
+    stall_warning_s: float = Field(300.0, gt=0)
+    """The learner logs a warning when no step has ended for this long (ExgrpoLearnerStalled)."""
+    buffer_empty_warning_steps: int = Field(20, ge=1)
+    """The learner logs a warning when the experience buffer has been empty this many steps after the
+    delayed start (ExgrpoBufferEmpty)."""
+    verifier_timeout_warning_frac: float = Field(0.05, ge=0, le=1)
+    """An actor logs a warning when more than this share of one verification batch times out
+    (ExgrpoVerifierTimeouts)."""
 
 
 class RunConfig(_Strict):

@@ -127,6 +127,9 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     summary = run_dir / "summary.json"
     if summary.exists():
         print_summary(json.loads(summary.read_text()))
+    report = run_dir / "report" / "report.md"
+    if report.exists() and summary.exists() and report.stat().st_mtime >= summary.stat().st_mtime:  # this run's
+        print(f"report: {report}", flush=True)
     if stopping:
         print("interrupted; every child process was stopped", flush=True)
         return 130

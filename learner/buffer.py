@@ -126,6 +126,12 @@ class ExperienceBuffer:
         """Questions holding stored trajectories (retired ones until end_step)."""
         return len(self._traj)
 
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes held: an int32 token id and a float32 log-prob per token, a 16-byte
+        de-duplication key per trajectory (Python object overhead not counted)."""
+        return 8 * self.num_tokens + 16 * self.num_trajectories
+
     def bucket_sizes(self) -> dict[int, int]:
         """Eligible questions per bucket (retired ones are never in a bucket)."""
         return {k: len(qs) for k, qs in self._buckets.items()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import secrets
 import threading
 import time
@@ -34,8 +35,11 @@ from exgrpo_async.transport import LearnerSocket
 from exgrpo_async.weight_sync import WeightPublisher
 from exgrpo_async.wire import WireError, decode_header, decode_rollouts, encode_control
 from learner.dispatch import Dispatcher, WorkItem
+from learner.metrics import TargetsFile
 
 log = logging.getLogger("exgrpo_async.learner.server")
+# an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ActorInfo:
     version: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     joined_at: float = field(default_factory=time.monotonic)
+    metrics_address: str | None = None  # its Prometheus endpoint, host:port, as it reported it
     jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
 
@@ -69,6 +74,8 @@ class LearnerServer:
         self._n_actors = 0
         self._thread = threading.Thread(target=self._serve, name="zmq-server", daemon=True)
         self._sync_threads: list[threading.Thread] = []
+        self.targets: TargetsFile | None = None  # Prometheus file SD: rewritten when membership changes
+        self.on_sync = None  # callable(seconds) for each broadcast served (the Prometheus histogram)
 
     def start(self) -> None:
         self._thread.start()
@@ -145,6 +152,7 @@ class LearnerServer:
         # prefix of the group's store keys: 128 random bits, sent only in the welcome (encrypted with curve)
         info = ActorInfo(f"actor-{self._n_actors}", f"{self._n_actors}-{secrets.token_hex(16)}")
         self.actors[peer] = info
+        self.counters["hellos"] += 1
         thread = threading.Thread(target=self._sync_worker, args=(info.jobs,), name=f"weight-sync-{info.actor_id}",
                                   daemon=True)
         thread.start()
@@ -158,6 +166,7 @@ class LearnerServer:
     def _remove(self, peer: bytes) -> int:
         """Forget an actor: re-issue its outstanding work, close its group, end its sync thread."""
         info = self.actors.pop(peer)
+        self._update_targets()
         n = self.dispatcher.release_actor(info.actor_id)
         self.counters["work_released"] += n
         info.jobs.put(("close", info.group_key))
@@ -174,8 +183,19 @@ class LearnerServer:
                 log.warning("%s silent for %.0fs: presumed dead, %d work items re-issued", info.actor_id,
                             now - info.last_seen, n)
 
+    def _update_targets(self) -> None:
+        if self.targets is not None:
+            self.targets.update({a.actor_id: a.metrics_address for a in self.actors.values() if a.metrics_address})
+
     def _note_actor_stats(self, info: ActorInfo, head: dict) -> None:
-        """Optional fields of a work request: seconds spent generating, in-flight update timings."""
+        """Optional fields of a work request: seconds spent generating, in-flight update timings, the
+        actor's metrics endpoint."""
+        address = head.get("metrics")
+        if address is not None and address != info.metrics_address:
+            if not isinstance(address, str) or not _ENDPOINT.fullmatch(address):
+                raise WireError(f"bad metrics endpoint {str(address)[:80]!r}")
+            info.metrics_address = address
+            self._update_targets()
         busy = head.get("busy_s")
         if busy is not None:
             if not isinstance(busy, (int, float)) or isinstance(busy, bool) or busy < 0:
@@ -254,7 +274,10 @@ class LearnerServer:
                     self.publisher.open_group(job[1], job[2])
                 elif job[0] == "send":
                     try:
-                        self.sync_seconds.append(self.publisher.send(job[1], job[2]))
+                        seconds = self.publisher.send(job[1], job[2])
+                        self.sync_seconds.append(seconds)
+                        if self.on_sync is not None:
+                            self.on_sync(seconds)
                     finally:
                         self.publisher.release(job[3])
                 elif job[0] == "close":

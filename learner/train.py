@@ -30,12 +30,13 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
-from exgrpo_async.metrics import LearnerMetrics
+from exgrpo_async.report import write_report
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.buffer import ExperienceBuffer, Trajectory
 from learner.checkpoint import latest_valid, load_checkpoint, pack_ragged, save_checkpoint, unpack_ragged
 from learner.dispatch import Dispatcher, WorkItem
+from learner.metrics import LearnerMetrics, TargetsFile
 from learner.grpo import (group_advantages, mismatch_kl, pack_sequences, policy_loss, scatter_completion,
                           token_logprobs)
 from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
@@ -220,12 +221,23 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                                 cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
     publisher.publish(version, named_parameters_for_sync(model))
     server = LearnerServer(cfg, dispatcher, publisher, backend, prompts, questions, cfg.model_dump_json())
+    inbox = Inbox(server)
+    prom = None
+    if cfg.metrics.port is not None:
+        prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port, L.max_staleness, exgrpo=X.enabled,
+                              is_weights=L.off_policy_correction != "none")
+    if prom is not None:
+        server.on_sync = prom.observe_sync
+        prom.watch_live(connected=lambda: len(server.actors), inbox=lambda: server.inbox.qsize() + len(inbox.train),
+                        in_flight=lambda: len(dispatcher.outstanding))
+    server.targets = TargetsFile(run_dir, cfg.metrics.sd_dir, prom.endpoint.address if prom else None)
     server.start()
-    prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else None
     (run_dir / "learner.json").write_text(json.dumps({"address": server.address,
                                                        "metrics_port": prom.port if prom else None}))
     log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, publisher.port)
-    inbox = Inbox(server)
+    if prom is not None:
+        log.info("Prometheus metrics on http://%s/metrics; targets in %s", prom.endpoint.address,
+                 ", ".join(str(p) for p in server.targets.paths))
     metrics_f = open(run_dir / "metrics.jsonl", "a")
     summary: dict = {"before": eval_before, "after": None}
     try:
@@ -242,21 +254,36 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         t_start = time.time()
         rollouts_at_start, tokens_at_start = totals["rollouts"], totals["tokens"]
         n_syncs_seen = n_updates_seen = 0
+        empty_buffer_steps = 0  # consecutive steps with experience mixing on and nothing stored
+        if prom is not None:
+            prom.mark_progress()
+        t_progress = stall_warned = time.time()
         step = start_step - 1
         for step in range(start_step, L.max_steps + 1):
             t_step = time.time()
             # 1) wait for B training groups, dropping those too stale to train on
             batch: list[tuple[WorkItem, RolloutGroup]] = []
+            dropped = 0
             while len(batch) < B:
                 if not inbox.train:
                     inbox.pump(0.5)
+                    now = time.time()
+                    if now - t_progress > cfg.metrics.stall_warning_s and now - stall_warned > cfg.metrics.stall_warning_s:
+                        stall_warned = now
+                        log.warning("no step for %.0f s: %d of %d groups ready, %d actors connected, %d work items "
+                                    "out (ExgrpoLearnerStalled)", now - t_progress, len(batch), B, server.connected,
+                                    len(dispatcher.outstanding))
                     continue
                 item, group = inbox.train.pop(0)
                 if version - group.policy_version > L.max_staleness:
                     totals["stale_dropped"] += 1
+                    dropped += 1
                     dispatcher.reissue(item.question_id)
                     continue
                 batch.append((item, group))
+            if dropped:
+                log.warning("step %d: dropped %d groups staler than eta=%d and re-issued their questions "
+                            "(ExgrpoStalenessAboveEta)", step, dropped, L.max_staleness)
             batch.sort(key=lambda b: b[0].work_id)  # dispatch order, not arrival order: reproducible updates
             t_wait = time.time() - t_step
 
@@ -422,7 +449,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     "replay_w_mean": sum(s["replay_w_mean"] * s["replay_tokens"] for s in rep) / max(1.0, sum(s["replay_tokens"] for s in rep)) if rep else None,
                     "replay_w_max": max((s["replay_w_max"] for s in rep), default=None),
                     "replay_token_frac": sum(s["replay_tokens"] for s in rep) / max(1.0, sum(s["tokens"] for s in stats_acc)),
-                    "selection_seconds": time.time() - t_sel,
+                    "selection_seconds": time.time() - t_sel, "buffer_bytes": buffer.nbytes,
                     "entropy": sum(s.get("entropy", 0.0) for s in stats_acc) / max(1, len(stats_acc)),
                 }
 
@@ -447,6 +474,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                 "pass_at_1": sum(1.0 for r in rewards if r >= 1.0) / len(rewards),
                 "loss": sum(losses), "grad_norm": max(norms), "tokens_generated": step_tokens, "rollouts": len(seqs),
                 "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                "staleness_hist": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
                 "sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": time.time() - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
                 "learner_idle_frac": t_wait / max(1e-9, time.time() - t_step),
@@ -460,7 +488,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                 **is_stats(stats_acc), "mismatch_kl": kl["mismatch"][0] / kl["mismatch"][1] if kl["mismatch"][1] else None,
                 "behaviour_kl": kl["behaviour"][0] / kl["behaviour"][1] if kl["behaviour"][1] else None,
                 "logprob_diff_max": diff_max, "stale_dropped_total": totals["stale_dropped"],
-                "skipped_steps_total": totals["skipped_steps"], "actors": server.connected,
+                "skipped_steps_total": totals["skipped_steps"], "optimizer_updates_total": opt_updates,
+                "actors": server.connected,
                 "rollouts_per_s": (totals["rollouts"] - rollouts_at_start) / elapsed,
                 "tokens_per_s": (totals["tokens"] - tokens_at_start) / elapsed,
                 "bad_messages_total": server.counters["bad_messages"], "truncated_frac": truncated / len(seqs),
@@ -470,7 +499,16 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
             if prom is not None:
-                prom.observe_step(row)
+                prom.observe_step(row, {k: server.counters[k] for k in ("hellos", "actors_lost", "work_reissued",
+                                                                          "work_released", "sync_failures")})
+            t_progress = time.time()
+            if X.enabled and mixed and buffer.num_trajectories == 0:
+                empty_buffer_steps += 1
+                if empty_buffer_steps % cfg.metrics.buffer_empty_warning_steps == 0:
+                    log.warning("experience buffer empty for %d steps after the delayed start: no partly solved "
+                                "question has been collected (ExgrpoBufferEmpty)", empty_buffer_steps)
+            else:
+                empty_buffer_steps = 0
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
@@ -508,9 +546,14 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             "final_model": str(run_dir / "final"),
         })
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:  # the model and the figures are saved: a plotting failure must not fail the run
+            log.info("report: %s", write_report(run_dir))
+        except Exception:
+            log.exception("could not write the run report (`exgrpo-async report %s` retries)", run_dir)
         return summary
     finally:
         metrics_f.close()
         server.stop()
+        server.targets.close()
         if prom is not None:
             prom.close()

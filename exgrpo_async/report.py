@@ -1,0 +1,150 @@
+"""The run report: RUN_DIR/metrics.jsonl (+ summary.json, config.json) -> RUN_DIR/report/report.md with PNG plots.
+
+Written by the learner at the end of a run and by `exgrpo-async report RUN_DIR` at any time (a run
+still going or one that crashed has no summary: the report says so). Plots: reward and pass@1 (with
+held-out accuracy), buffer composition by bucket, staleness, importance weights, throughput and step
+time. Unreadable metrics lines (a killed run's last line) are skipped and counted in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from exgrpo_async.png import bar_chart, line_chart, stacked_area_chart
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[dict], int]:
+    """(step rows, eval rows, unreadable lines) of a metrics.jsonl."""
+    steps, evals, bad = [], [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            bad += 1
+        elif "eval" in row:
+            evals.append(row)
+        else:
+            steps.append(row)
+    return steps, evals, bad
+
+
+def _col(rows: list[dict], key: str) -> list:
+    return [r.get(key) for r in rows]
+
+
+def _has(rows: list[dict], key: str) -> bool:
+    return any(isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for r in rows)
+
+
+def _num(v, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write report.md and its PNGs to out_dir (default RUN_DIR/report); returns the report's path."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (not a run folder, or the run has not trained a step)")
+    steps, evals, bad = read_metrics(metrics)
+    if not steps:
+        raise ValueError(f"{metrics}: no learner step recorded yet ({bad} unreadable lines)")
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    x = _col(steps, "step")
+    figures: list[tuple[str, str]] = []  # (title, file name)
+    notes: list[str] = []
+
+    def plot(name: str, title: str, keys: list[str], ylabel: str = "") -> None:
+        series = {k: (x, _col(steps, k)) for k in keys if _has(steps, k)}
+        if series:
+            line_chart(out / name, title, series, ylabel=ylabel)
+            figures.append((title, name))
+
+    # reward, pass@1 and held-out accuracy
+    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1")}
+    if evals:
+        series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
+    for when, at in (("before", 0), ("after", steps[-1]["step"])):
+        acc = ((summary or {}).get(when) or {}).get("accuracy")
+        if acc is not None:
+            series[f"held-out {when}"] = ([at], [acc])
+    line_chart(out / "reward.png", "Reward and pass@1", series, ylabel="0..1")
+    figures.append(("Reward and pass@1", "reward.png"))
+
+    # buffer composition by bucket (ExGRPO)
+    if any(r.get("buckets") for r in steps):
+        ks = sorted({k for r in steps for k in (r.get("buckets") or {})}, key=int)
+        layers = {f"k={k}": [(r.get("buckets") or {}).get(k, 0) for r in steps] for k in ks}
+        stacked_area_chart(out / "buffer.png", "Buffer: questions per bucket k", x, layers, ylabel="questions")
+        figures.append(("Buffer: questions per bucket k", "buffer.png"))
+        plot("buffer_size.png", "Buffer size and retired questions", ["buffer_questions", "retired_total",
+                                                                       "experience_questions"], "questions")
+    else:
+        notes.append("No buffer plots: the run had no ExGRPO experience buffer (exgrpo.enabled=false).")
+
+    # staleness over steps and its distribution
+    plot("staleness.png", "Staleness (policy versions)", ["staleness_mean", "staleness_max"], "versions")
+    hist: dict[int, int] = {}
+    for r in steps:
+        for lag, n in (r.get("staleness_hist") or {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + int(n)
+    if hist:
+        lags = list(range(0, max(hist) + 1))
+        bar_chart(out / "staleness_hist.png", "Groups trained, by staleness", [str(g) for g in lags],
+                  [hist.get(g, 0) for g in lags], xlabel="versions behind", ylabel="groups")
+        figures.append(("Groups trained, by staleness", "staleness_hist.png"))
+
+    # importance weights and ratios
+    plot("weights.png", "Importance weights and PPO ratio",
+         ["is_weight_mean", "is_weight_max", "ratio_max", "replay_w_mean", "replay_w_max"])
+    plot("truncation.png", "Truncated and clipped shares", ["is_truncated_frac", "clip_frac", "truncated_frac"],
+         "0..1")
+
+    # throughput and where the step time goes
+    plot("rollouts_per_s.png", "Throughput: rollouts/s", ["rollouts_per_s"], "1/s")
+    plot("tokens_per_s.png", "Throughput: tokens/s", ["tokens_per_s"], "1/s")
+    plot("step_time.png", "Step time", ["step_seconds", "train_seconds", "wait_seconds"], "seconds")
+
+    last = steps[-1]
+    lines = [f"# Run report: {run_dir.name}", "",
+             f"{len(steps)} learner steps (step {steps[0]['step']} to {last['step']}), model "
+             f"`{(config.get('model') or {}).get('path', '?')}`, ExGRPO "
+             f"{'on' if (config.get('exgrpo') or {}).get('enabled') else 'off'}."]
+    if bad:
+        lines.append(f"{bad} unreadable line(s) of metrics.jsonl were skipped.")
+    if summary is None:
+        lines.append("No summary.json: the run is still going, or it ended before its final evaluation.")
+    else:
+        before, after = summary.get("before") or {}, summary.get("after") or {}
+        lines += ["", "| summary | value |", "|---|---|",
+                  f"| held-out accuracy before -> after | {_num(before.get('accuracy'))} -> {_num(after.get('accuracy'))} |",
+                  f"| greedy accuracy before -> after | {_num(before.get('greedy_accuracy'))} -> "
+                  f"{_num(after.get('greedy_accuracy'))} |"]
+        for key in ("rl_seconds", "rollouts_per_s", "tokens_per_s", "sync_seconds_mean", "skipped_steps",
+                    "stale_dropped", "actors_joined", "actors_lost", "questions_unaccounted"):
+            if key in summary:
+                lines.append(f"| {key} | {_num(summary[key])} |")
+    lines += ["", f"## Last step ({last['step']})", "", "| metric | value |", "|---|---|"]
+    for key in ("reward_mean", "pass_at_1", "staleness_mean", "staleness_max", "is_weight_max", "clip_frac",
+                "mismatch_kl", "rollouts_per_s", "tokens_per_s", "step_seconds", "actors", "buffer_trajectories",
+                "skipped_steps_total", "stale_dropped_total"):
+        if key in last:
+            lines.append(f"| {key} | {_num(last[key], 4)} |")
+    lines += ["", "## Plots", ""] + [n for n in notes] + [""]
+    for title, name in figures:
+        lines += [f"### {title}", "", f"![{title}]({name})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,158 @@
+"""A real Prometheus server scrapes a real training run through the project's own ops/ config.
+
+Prometheus (Debian's package, installed by ops/setup-prometheus.sh) runs with ops/prometheus/
+prometheus.yml and alerts.yml copied verbatim apart from 1-second intervals; the run's learner writes
+the file-SD targets into the config's targets/ folder. While the run trains, Prometheus must discover
+the learner and every actor, scrape their series, and load the alert rules; afterwards every query of
+the Grafana dashboard must evaluate, and the core ones must have returned data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import cli
+
+OPS = Path(__file__).resolve().parents[2] / "ops"
+STEPS = 12
+
+
+def _prometheus() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not installed: ops/setup-prometheus.sh should have installed it")
+        pytest.skip("prometheus not on PATH (ops/setup-prometheus.sh installs it)")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _query(port: int, expr: str) -> list[dict]:
+    return _api(port, "query", query=expr)["result"]
+
+
+def _dashboard_exprs() -> list[str]:
+    dash = json.loads((OPS / "grafana" / "exgrpo-dashboard.json").read_text())
+    panels = [p for top in dash["panels"] for p in [top, *top.get("panels", [])]]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", []) if t.get("expr")]
+    # Grafana's variables and built-ins, as Grafana would expand them for one run
+    subst = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "10m", "${run}": ".*", "$run": ".*",
+             "${actor_id}": ".*", "$actor_id": ".*"}
+    out = []
+    for e in exprs:
+        for k, v in subst.items():
+            e = e.replace(k, v)
+        out.append(e)
+    return out
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """Prometheus on a free loopback port, with the ops/ config and rules in tmp_path."""
+    binary = _prometheus()
+    cfg = (OPS / "prometheus" / "prometheus.yml").read_text()
+    cfg = re.sub(r"(scrape_interval|evaluation_interval|refresh_interval):\s*\S+", r"\1: 1s", cfg)
+    (tmp_path / "prometheus.yml").write_text(cfg)
+    shutil.copy(OPS / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "targets").mkdir()
+    port = _free_port()
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()
+                time.sleep(0.5)
+        yield port, tmp_path / "targets"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_path):
+    port, targets_dir = prometheus
+    out = tmp_path / "runs"
+    run = subprocess.Popen(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
+                                f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true", "exgrpo.start_threshold=0.005",
+                                "data.eval_file=none"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen_targets: dict[str, set] = {}
+    seen_actor_series = False
+    try:
+        deadline = time.monotonic() + 600
+        while run.poll() is None and time.monotonic() < deadline:
+            for t in _api(port, "targets")["activeTargets"]:
+                if t["health"] == "up":
+                    seen_targets.setdefault(t["labels"]["role"], set()).add(t["labels"].get("actor_id"))
+            seen_actor_series |= len(_query(port, 'exgrpo_actor_generated_tokens_total{role="actor"} > 0')) >= 2
+            time.sleep(1)
+        output = run.communicate(timeout=120)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-3000:]
+    (run_dir,) = list(out.iterdir())
+    assert seen_targets.get("learner") == {None}, seen_targets
+    assert seen_targets.get("actor") == {"actor-1", "actor-2"}, seen_targets
+    assert seen_actor_series, "no scrape saw two actors' generated-token counters"
+    assert not list(targets_dir.glob("*.json")), "the finished run's SD file was not removed"
+
+    # the whole run, from storage: the learner's steps, the actors' work, buffer health, histograms
+    run_sel = f'run="{run_dir.name}"'
+    last = lambda expr: _query(port, f"max(max_over_time({expr}[10m]))")  # noqa: E731
+    assert float(last(f"exgrpo_learner_policy_version{{{run_sel}}}")[0]["value"][1]) == STEPS
+    assert float(last(f"exgrpo_learner_steps_total{{{run_sel}}}")[0]["value"][1]) == STEPS
+    assert float(last(f"exgrpo_learner_connected_actors{{{run_sel}}}")[0]["value"][1]) == 2
+    assert float(last(f"exgrpo_learner_staleness_count{{{run_sel}}}")[0]["value"][1]) > 0
+    assert float(last(f'exgrpo_actor_verifications_total{{{run_sel},status="ok"}}')[0]["value"][1]) > 0
+    assert float(last(f"exgrpo_actor_weight_syncs_total{{{run_sel}}}")[0]["value"][1]) >= 2
+    assert float(last(f"exgrpo_weight_sync_duration_seconds_count{{{run_sel}}}")[0]["value"][1]) >= 2
+    assert last(f"exgrpo_buffer_trajectories{{{run_sel}}}"), "no buffer series"
+    per_actor = _query(port, f"max by (actor_id) (max_over_time(exgrpo_actor_generated_tokens_total{{{run_sel}}}[10m]))")
+    assert {r["metric"]["actor_id"] for r in per_actor} == {"actor-1", "actor-2"}
+
+    # the alert rules loaded and evaluate without error
+    rules = [r for g in _api(port, "rules")["groups"] for r in g["rules"]]
+    assert {r["name"] for r in rules} >= {"ExgrpoLearnerStalled", "ExgrpoNoActorsConnected", "ExgrpoTargetDown"}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+    # every dashboard query evaluates; most of them saw data during the run
+    exprs = _dashboard_exprs()
+    assert len(exprs) >= 20
+    empty = []
+    for e in exprs:
+        ranged = _api(port, "query_range", query=e, start=time.time() - 600, end=time.time(), step="5")
+        if not ranged["result"]:
+            empty.append(e)
+    assert len(empty) <= len(exprs) // 3, f"dashboard queries without data: {empty}"
