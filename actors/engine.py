@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exgrpo_async.config import EngineConfig, ModelConfig
+from exgrpo_async.logs import log_format
 
 
 @dataclass
@@ -53,6 +54,7 @@ def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on
         worker_extension_cls="actors.vllm_worker.WeightSyncExtension",
         # behaviour log-probs of the distribution tokens were drawn from (after temperature)
         logprobs_mode="processed_logprobs",
+        use_tqdm_on_load=log_format() != "json",  # a progress bar is not a JSON line
     )
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20

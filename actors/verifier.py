@@ -16,7 +16,9 @@ Interface:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
 import re
 import resource
 import signal
@@ -100,6 +102,9 @@ def _worker_main(conn: Connection, memory_limit_mb: int) -> None:
     """Worker loop, run in the worker's main thread: (text, gold, require_think) in, float out."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from exgrpo_async.logs import setup_logging
+
+    setup_logging("verifier", str(os.getpid()), level=logging.WARNING)  # math-verify's warnings, in the run's format
     if memory_limit_mb > 0:
         # Address-space cap: `2^{10^9}`-style inputs should fail with MemoryError here, not swap the host.
         limit = memory_limit_mb * 1024 * 1024

@@ -4,6 +4,8 @@ Plain text by default (`HH:MM:SS LEVEL [role/id] logger: message`); JSON lines o
 per line: ts, level, role, id, pid, logger, msg, and exc for a traceback), for log shippers. The format
 comes from the `log_format` config key, the `--log-format` flag, or the EXGRPO_LOG_FORMAT environment
 variable, which child processes inherit, so a launcher's actors and their vLLM workers log alike.
+Python warnings become log records too; what C++ libraries print to stderr themselves (torch's
+`[W...]` lines) bypasses Python and stays as it is.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def setup_logging(role: str, ident: str = "", level: int = logging.INFO, fmt: st
     the learner). The chosen format is exported to $EXGRPO_LOG_FORMAT for child processes."""
     fmt = log_format(fmt)
     os.environ[ENV] = fmt
+    # vLLM otherwise installs its own handler and format on its loggers; without it they reach ours
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if fmt == "json":  # progress bars are not JSON lines (Hugging Face's; vLLM's are off in engine_kwargs)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    logging.captureWarnings(True)  # Python warnings (deprecations in libraries) as log records
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonLinesFormatter(role, ident))

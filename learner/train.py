@@ -30,6 +30,7 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
+from exgrpo_async.logs import log_format
 from exgrpo_async.report import write_report
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
@@ -248,9 +249,12 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         # --- the RL loop ---------------------------------------------------------------------------
         from tqdm import tqdm
 
-        # a terminal gets a live bar; a log file (CI, nohup) one line every 30 s instead of a flood
+        # a terminal gets a live bar; a log file (CI, nohup) one line every 30 s instead of a flood; JSON
+        # logs get a progress log record every 30 s instead (a bar is not a JSON line)
+        json_logs = log_format() == "json"
         bar = tqdm(total=L.max_steps, initial=start_step - 1, desc="RL", unit="step", dynamic_ncols=True,
-                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0, disable=json_logs)
+        progress_logged = time.time()
         t_start = time.time()
         rollouts_at_start, tokens_at_start = totals["rollouts"], totals["tokens"]
         n_syncs_seen = n_updates_seen = 0
@@ -512,6 +516,10 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
+            if json_logs and (time.time() - progress_logged > 30 or step == L.max_steps):
+                progress_logged = time.time()
+                log.info("step %d/%d: reward %.3f, staleness %.2f, %.0f tokens/s", step, L.max_steps,
+                         row["reward_mean"], row["staleness_mean"], row["tokens_per_s"])
             if L.eval_every and step % L.eval_every == 0 and eval_pool and step < L.max_steps:
                 ev = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version)
                 metrics_f.write(json.dumps({"step": step, "policy_version": version, "eval": ev}) + "\n")

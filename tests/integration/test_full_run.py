@@ -38,6 +38,9 @@ def test_train_runs_end_to_end(small, tmp_path):
     assert summary["before"]["versions"] == [0] and summary["after"]["versions"] == [3]
     assert summary["syncs"] >= 2 * 3  # each actor received version 0 and at least the later ones it used
     assert "held-out accuracy" in proc.stdout
+    report = run_dir / "report" / "report.md"  # written by the learner at the end, its path printed
+    assert f"report: {report}" in proc.stdout and "![Reward and pass@1](reward.png)" in report.read_text()
+    assert (run_dir / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")

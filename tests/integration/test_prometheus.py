@@ -4,7 +4,8 @@ Prometheus (Debian's package, installed by ops/setup-prometheus.sh) runs with op
 prometheus.yml and alerts.yml copied verbatim apart from 1-second intervals; the run's learner writes
 the file-SD targets into the config's targets/ folder. While the run trains, Prometheus must discover
 the learner and every actor, scrape their series, and load the alert rules; afterwards every query of
-the Grafana dashboard must evaluate, and the core ones must have returned data.
+the Grafana dashboard must evaluate, and most must have returned data. The run logs JSON lines, which
+are checked too.
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ def prometheus(tmp_path):
 def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_path):
     port, targets_dir = prometheus
     out = tmp_path / "runs"
-    run = subprocess.Popen(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
-                                f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true", "exgrpo.start_threshold=0.005",
-                                "data.eval_file=none"]),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
+    run = subprocess.Popen(cli(["train", "--log-format", "json", *small, f"learner.max_steps={STEPS}",
+                                f"output_dir={out}", f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true",
+                                "exgrpo.start_threshold=0.005", "data.eval_file=none"]), stdout=stdout, stderr=stderr)
     seen_targets: dict[str, set] = {}
     seen_actor_series = False
     try:
@@ -117,16 +118,27 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
                     seen_targets.setdefault(t["labels"]["role"], set()).add(t["labels"].get("actor_id"))
             seen_actor_series |= len(_query(port, 'exgrpo_actor_generated_tokens_total{role="actor"} > 0')) >= 2
             time.sleep(1)
-        output = run.communicate(timeout=120)[0]
+        run.wait(timeout=120)
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 0, output[-3000:]
+        stdout.close()
+        stderr.close()
+    log_lines = (tmp_path / "stderr").read_text().splitlines()
+    assert run.returncode == 0, "\n".join(log_lines[-40:])
     (run_dir,) = list(out.iterdir())
     assert seen_targets.get("learner") == {None}, seen_targets
     assert seen_targets.get("actor") == {"actor-1", "actor-2"}, seen_targets
     assert seen_actor_series, "no scrape saw two actors' generated-token counters"
     assert not list(targets_dir.glob("*.json")), "the finished run's SD file was not removed"
+    assert "report: " in (tmp_path / "stdout").read_text()
+
+    # --log-format json: every process logged JSON lines tagged with role and id (what C++ code prints
+    # to stderr itself, torch's "[W..." warnings, cannot be)
+    records = [json.loads(line) for line in log_lines if not line.startswith("[W")]
+    roles = {(r["role"], r["id"]) for r in records}
+    assert {("learner", ""), ("actor", "actor-1"), ("actor", "actor-2")} <= roles, roles  # the launcher prints
+    assert all({"ts", "level", "pid", "logger", "msg"} <= r.keys() for r in records)
 
     # the whole run, from storage: the learner's steps, the actors' work, buffer health, histograms
     run_sel = f'run="{run_dir.name}"'
