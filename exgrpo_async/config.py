@@ -318,8 +318,8 @@ class MetricsConfig(_Strict):
     suits one actor per host."""
     sd_dir: str | None = None
     """Folder for a Prometheus file-SD file `<run>.json` (ops/prometheus/prometheus.yml reads
-    ops/prometheus/targets/); it is removed when the learner exits. The learner always writes
-    RUN_DIR/prometheus-targets.json as well."""
+    ops/prometheus/targets/); it is removed when the run ends or is stopped (a crashed learner leaves it,
+    so its targets show as down). The learner always writes RUN_DIR/prometheus-targets.json as well."""
     stall_warning_s: float = Field(300.0, gt=0)
     """The learner logs a warning when no step has ended for this long (ExgrpoLearnerStalled)."""
     buffer_empty_warning_steps: int = Field(20, ge=1)

@@ -37,9 +37,9 @@ from exgrpo_async.weight_sync import WeightPublisher
 from learner.buffer import ExperienceBuffer, Trajectory
 from learner.checkpoint import latest_valid, load_checkpoint, pack_ragged, save_checkpoint, unpack_ragged
 from learner.dispatch import Dispatcher, WorkItem
-from learner.metrics import LearnerMetrics, TargetsFile
 from learner.grpo import (group_advantages, mismatch_kl, pack_sequences, policy_loss, scatter_completion,
                           token_logprobs)
+from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
 from learner.replay import select_replays
 from learner.server import LearnerServer
@@ -227,7 +227,6 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     if cfg.metrics.port is not None:
         prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port, L.max_staleness, exgrpo=X.enabled,
                               is_weights=L.off_policy_correction != "none")
-    if prom is not None:
         server.on_sync = prom.observe_sync
         prom.watch_live(connected=lambda: len(server.actors), inbox=lambda: server.inbox.qsize() + len(inbox.train),
                         in_flight=lambda: len(dispatcher.outstanding))
@@ -241,6 +240,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                  ", ".join(str(p) for p in server.targets.paths))
     metrics_f = open(run_dir / "metrics.jsonl", "a")
     summary: dict = {"before": eval_before, "after": None}
+    crashed = False
     try:
         if eval_pool and ckpt is None:
             summary["before"] = run_eval(inbox, dispatcher, len(questions["eval"]), cfg, version=0)
@@ -559,9 +559,13 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         except Exception:
             log.exception("could not write the run report (`exgrpo-async report %s` retries)", run_dir)
         return summary
+    except BaseException as e:
+        crashed = not isinstance(e, (SystemExit, KeyboardInterrupt))  # a stop by signal is not a crash
+        raise
     finally:
         metrics_f.close()
         server.stop()
-        server.targets.close()
+        if not crashed:  # a crashed learner leaves its targets listed: down targets are what alerts see
+            server.targets.close()
         if prom is not None:
             prom.close()
