@@ -24,18 +24,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import cli
+from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 STEPS = 12
-
-
-def _prometheus() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is not installed: ops/setup-prometheus.sh should have installed it")
-        pytest.skip("prometheus not on PATH (ops/setup-prometheus.sh installs it)")
-    return path
 
 
 def _free_port() -> int:
@@ -56,25 +48,10 @@ def _query(port: int, expr: str) -> list[dict]:
     return _api(port, "query", query=expr)["result"]
 
 
-def _dashboard_exprs() -> list[str]:
-    dash = json.loads((OPS / "grafana" / "exgrpo-dashboard.json").read_text())
-    panels = [p for top in dash["panels"] for p in [top, *top.get("panels", [])]]
-    exprs = [t["expr"] for p in panels for t in p.get("targets", []) if t.get("expr")]
-    # Grafana's variables and built-ins, as Grafana would expand them for one run
-    subst = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "10m", "${run}": ".*", "$run": ".*",
-             "${actor_id}": ".*", "$actor_id": ".*"}
-    out = []
-    for e in exprs:
-        for k, v in subst.items():
-            e = e.replace(k, v)
-        out.append(e)
-    return out
-
-
 @pytest.fixture
 def prometheus(tmp_path):
     """Prometheus on a free loopback port, with the ops/ config and rules in tmp_path."""
-    binary = _prometheus()
+    binary = need_binary("prometheus")
     cfg = (OPS / "prometheus" / "prometheus.yml").read_text()
     cfg = re.sub(r"(scrape_interval|evaluation_interval|refresh_interval):\s*\S+", r"\1: 1s", cfg)
     (tmp_path / "prometheus.yml").write_text(cfg)
@@ -160,7 +137,7 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
     # every dashboard query evaluates; most of them saw data during the run
-    exprs = _dashboard_exprs()
+    exprs = [expand(e) for e in dashboard_exprs(dashboard())]
     assert len(exprs) >= 20
     empty = []
     for e in exprs:

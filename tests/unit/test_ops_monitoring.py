@@ -11,36 +11,26 @@ A live Prometheus scraping a real run is tests/integration/test_prometheus.py.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary, panels
+
 REPO = Path(__file__).resolve().parents[2]
 PROM = REPO / "ops" / "prometheus"
-DASHBOARD = REPO / "ops" / "grafana" / "exgrpo-dashboard.json"
 METRICS_DOC = REPO / "docs" / "metrics.md"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC_RE = re.compile(r"exgrpo_[a-z0-9_]+")
-# Grafana's variables and built-ins, as Grafana would expand them for a query
-GRAFANA_SUBST = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "10m", "${run}": ".*", "$run": ".*",
-                 "${actor_id}": ".*", "$actor_id": ".*"}
 
 
 # ---------------------------------------------------------------- helpers
 
 def _promtool() -> str:
-    """promtool's path; skips without it, fails without it in CI (called in the test body: a FAILED test)."""
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not on PATH in CI: ops/setup-prometheus.sh should have installed it")
-        pytest.skip("promtool not on PATH (ops/setup-prometheus.sh installs Debian's prometheus package)")
-    return path
+    return need_binary("promtool")
 
 
 def _run(cmd: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -77,27 +67,6 @@ def _alerts_table() -> set[str]:
 def _alert_rules() -> list[dict]:
     doc = yaml.safe_load((PROM / "alerts.yml").read_text())
     return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
-
-
-def _dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def _panels(dash: dict) -> list[dict]:
-    """All panels, rows' nested (collapsed) panels included."""
-    return [p for top in dash["panels"] for p in [top, *top.get("panels", [])]]
-
-
-def _dashboard_exprs(dash: dict) -> list[str]:
-    exprs = [t["expr"] for p in _panels(dash) for t in p.get("targets", []) if t.get("expr")]
-    exprs += [a["expr"] for a in dash.get("annotations", {}).get("list", []) if a.get("expr")]
-    return exprs
-
-
-def _expand(expr: str) -> str:
-    for k, v in GRAFANA_SUBST.items():
-        expr = expr.replace(k, v)
-    return expr
 
 
 def _unknown_series(exprs: list[str]) -> dict[str, set[str]]:
@@ -139,7 +108,7 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
     """promtool 2.42 has no offline query parser, but `check rules` parses every rule's expr: each dashboard
     query (Grafana variables expanded) becomes a recording rule."""
     promtool = _promtool()
-    exprs = [_expand(e) for e in _dashboard_exprs(_dashboard())]
+    exprs = [expand(e) for e in dashboard_exprs(dashboard())]
     assert exprs
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard_expr_{i}", "expr": e}
                                                          for i, e in enumerate(exprs)]}]}
@@ -188,7 +157,7 @@ def test_alert_unit_tests_cover_every_alert_firing_and_quiet():
 # ---------------------------------------------------------------- dashboard
 
 def test_dashboard_is_importable_and_every_panel_queries():
-    dash = _dashboard()
+    dash = dashboard()
     assert dash["uid"] and dash["title"] and 36 <= dash["schemaVersion"] <= 41
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
@@ -197,10 +166,10 @@ def test_dashboard_is_importable_and_every_panel_queries():
     assert run_query == "label_values(exgrpo_learner_policy_version, run)"
     assert "actor_id" in variables
 
-    panels = _panels(dash)
-    ids = [p["id"] for p in panels]
+    every = panels(dash)
+    ids = [p["id"] for p in every]
     assert len(ids) == len(set(ids)), "duplicate panel ids"
-    queried = [p for p in panels if p["type"] != "row"]
+    queried = [p for p in every if p["type"] != "row"]
     assert len(queried) >= 20
     for p in queried:
         assert p.get("datasource", {}).get("uid") == "${DS_PROMETHEUS}", p["title"]
@@ -212,7 +181,7 @@ def test_dashboard_is_importable_and_every_panel_queries():
 
 
 def test_dashboard_queries_use_catalogued_series_of_the_selected_run():
-    exprs = [t["expr"] for p in _panels(_dashboard()) for t in p.get("targets", []) if t.get("expr")]
+    exprs = [t["expr"] for p in panels(dashboard()) for t in p.get("targets", []) if t.get("expr")]
     assert _unknown_series(exprs) == {}
     for e in exprs:
         selectors = re.findall(r"\b(exgrpo_[a-z0-9_]+|up)\b(\{[^}]*\})?", e)
