@@ -74,7 +74,11 @@ def start_actor_metrics(cfg: RunConfig, actor_id: str) -> ActorMetrics | None:
     m = cfg.metrics
     if m.actor_port is None:
         return None
-    metrics = ActorMetrics(m.actor_host, m.actor_port)
+    try:
+        metrics = ActorMetrics(m.actor_host, m.actor_port)
+    except OSError as e:  # e.g. a fixed port taken by another actor on this host
+        raise RuntimeError(f"{actor_id}: cannot serve metrics on {m.actor_host}:{m.actor_port}: {e} "
+                           "(metrics.actor_port=0 picks a free port; None turns actor metrics off)") from e
     log.info("%s: Prometheus metrics on http://%s/metrics", actor_id, metrics.address)
     return metrics
 

@@ -185,3 +185,17 @@ def test_json_log_lines_carry_role_and_id(capsys, monkeypatch, restore_logging):
     monkeypatch.setenv("EXGRPO_LOG_FORMAT", "xml")
     with pytest.raises(ValueError, match="log format 'xml'"):
         log_format()
+
+
+def test_a_taken_actor_port_is_a_clear_error():
+    from actors.metrics import start_actor_metrics
+    from exgrpo_async.config import load_config
+
+    first = ActorMetrics("127.0.0.1", 0)
+    try:
+        cfg = load_config(None, [f"metrics.actor_port={first.endpoint.port}"])
+        with pytest.raises(RuntimeError, match="metrics.actor_port=0 picks a free port"):
+            start_actor_metrics(cfg, "actor-2")
+        assert start_actor_metrics(load_config(None, ["metrics.actor_port=none"]), "actor-3") is None
+    finally:
+        first.close()
