@@ -111,7 +111,8 @@ def fmt(v: float) -> str:
 class _Canvas:
     """A plot area mapping data (x, y) to pixels, with axes, ticks and a title drawn."""
 
-    def __init__(self, title: str, xlabel: str, ylabel: str, xr: tuple[float, float], yr: tuple[float, float]):
+    def __init__(self, title: str, xlabel: str, ylabel: str, xr: tuple[float, float], yr: tuple[float, float],
+                 x_ticks: bool = True):
         self.img = np.full((H, W, 3), 255, np.uint8)
         self.x0, self.x1, self.y0, self.y1 = LEFT, W - RIGHT, TOP, H - BOTTOM
         self.xt, self.yt = nice_ticks(*xr), nice_ticks(*yr)
@@ -121,7 +122,7 @@ class _Canvas:
             y = self.py(t)
             img[y, self.x0:self.x1] = GRID
             draw_text(img, self.x0 - 6 - text_width(fmt(t)), y - 3, fmt(t))
-        for t in self.xt:
+        for t in self.xt if x_ticks else []:  # bar charts label their bars instead
             x = self.px(t)
             img[self.y0:self.y1, x] = GRID
             draw_text(img, x - text_width(fmt(t)) // 2, self.y1 + 6, fmt(t))
@@ -208,8 +209,7 @@ def stacked_area_chart(path: Path, title: str, xs: list[float], layers: dict[str
 def bar_chart(path: Path, title: str, labels: list[str], values: list[float], xlabel: str = "",
               ylabel: str = "") -> None:
     """One bar per label, left to right, labels under the bars."""
-    c = _Canvas(title, xlabel, ylabel, (0.0, 1.0), (0.0, max(values, default=1.0) or 1.0))
-    c.img[c.y1 + 1:c.y1 + 14, c.x0 - 30:c.x1 + 10] = 255  # no numeric x ticks: the bars carry labels
+    c = _Canvas(title, xlabel, ylabel, (0.0, 1.0), (0.0, max(values, default=1.0) or 1.0), x_ticks=False)
     slot = (c.x1 - c.x0) / max(1, len(values))
     for i, (label, v) in enumerate(zip(labels, values)):
         xa, xb = int(c.x0 + i * slot + slot * 0.15), int(c.x0 + (i + 1) * slot - slot * 0.15)
