@@ -343,6 +343,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                 normalizer = float(len(mb_idx) * L_max)
                 # zero-advantage sequences add nothing to the policy gradient (but to the entropy bonus)
                 live = [i for i in mb_idx if seqs[i].advantage != 0.0 or not L.drop_zero_advantage or entropy_coef > 0]
+                if step in L.fault_nan_loss_at_steps and not live:  # the drill fires even on an all-zero batch
+                    live = mb_idx[:1]
                 opt.zero_grad(set_to_none=True)
                 mb_loss = 0.0
                 for j in range(0, len(live), L.micro_batch_sequences):
