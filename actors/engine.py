@@ -93,6 +93,8 @@ class VLLMEngine:
 
         self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
         self.tp = cfg.tensor_parallel_size if not on_cpu else 1
+        self.cpu_weight_reload = cfg.cpu_weight_reload
+        self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
         self.policy_version = 0
 
     def generate(self, prompts: list[str], n: int, temperature: float, max_tokens: int,
@@ -104,11 +106,12 @@ class VLLMEngine:
         return [to_samples(o) for o in outs]
 
     def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str, timeout_s: float) -> None:
-        self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s))
+        self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s,
+                                                 self.cpu_weight_reload))
 
     def load_weights(self, meta: list, version: int) -> float:
         t0 = time.perf_counter()
-        self.llm.collective_rpc("ws_recv", args=(meta,))
+        self.reload_mode = self.llm.collective_rpc("ws_recv", args=(meta,))[0]["reload"]
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.policy_version = version
         return time.perf_counter() - t0
@@ -142,6 +145,8 @@ class AsyncVLLMEngine:
         if on_cpu and cfg.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.cpu_weight_reload = cfg.cpu_weight_reload
+        self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
         self.policy_version = 0
         self._ids = 0
 
@@ -162,12 +167,13 @@ class AsyncVLLMEngine:
 
     async def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str,
                                timeout_s: float) -> None:
-        await self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s))
+        await self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s,
+                                                       self.cpu_weight_reload))
 
     async def load_weights(self, meta: list, version: int) -> float:
         """Initial load with nothing in flight: receive and load in one go."""
         t0 = time.perf_counter()
-        await self.llm.collective_rpc("ws_recv", args=(meta,))
+        self.reload_mode = (await self.llm.collective_rpc("ws_recv", args=(meta,)))[0]["reload"]
         await self.llm.reset_prefix_cache()
         self.policy_version = version
         return time.perf_counter() - t0
@@ -184,11 +190,13 @@ class AsyncVLLMEngine:
             await asyncio.sleep(0.005)
         t_pause = time.perf_counter()
         # clear_cache drops the prefix cache (KV of the old weights) once the engine is idle; nothing runs
-        # until the resume, so no KV of the old weights can be cached after it
-        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        # until the resume, so no KV of the old weights can be cached after it. This is
+        # AsyncLLM.pause_generation without its trailing 20 ms sleep, which only orders the last outputs
+        # for the caller while the engine sits paused (and text models have no multimodal cache to clear).
+        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
         t_paused = time.perf_counter()
         try:
-            await self.llm.collective_rpc("ws_commit")
+            self.reload_mode = (await self.llm.collective_rpc("ws_commit"))[0]["reload"]
             self.policy_version = version
         finally:
             await self.llm.resume_generation()

@@ -5,10 +5,12 @@ vLLM mixes this class into its Worker (`worker_extension_cls`), and the actor ca
 Method names carry a `ws_` prefix because the Worker already owns names like `update_weights`.
 
 Three CPU pitfalls are handled here (docs: cpu-vllm.md section 1):
-- plain `model.load_weights` fails on CPU because linear layers are pre-packed for oneDNN; loading goes
-  through vLLM's layerwise-reload lifecycle, which re-packs each layer once its weights are in;
+- plain `model.load_weights` fails on CPU because linear layers are pre-packed for oneDNN. By default
+  (`cpu_weight_reload="prepacked"`, actors/cpu_reload.py) new handlers are built from shadow weights
+  while the broadcast arrives and swapped in at commit; "layerwise", and any model the swap cannot
+  handle, goes through vLLM's layerwise-reload lifecycle, which re-packs each layer once its weights are in;
 - with tied embeddings the lm_head keeps its own pre-packed copy that reload does not refresh, so it
-  is re-processed explicitly (without it, log-probs are off by ~29 nats);
+  is re-processed explicitly (without it, log-probs are off by ~29 nats); the swap re-packs it too;
 - the prefix cache holds KV computed by old weights; the engine (not the worker) resets it after a sync.
 
 Two ways in: `ws_recv` receives and loads in one call (the batch engine, idle between batches);
@@ -23,13 +25,24 @@ import time
 
 import torch
 
+from actors.cpu_reload import PrepackedReload, Unsupported
 from exgrpo_async.weight_sync import Meta, WeightReceiver
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; `self.model_runner`, `self.device`, `self.rank` come from the Worker."""
 
-    def ws_init(self, host: str, port: int, prefix: str, world_size: int, backend: str, timeout_s: float) -> bool:
+    def ws_init(self, host: str, port: int, prefix: str, world_size: int, backend: str, timeout_s: float,
+                cpu_reload: str = "prepacked") -> bool:
+        if cpu_reload not in ("prepacked", "layerwise"):
+            raise ValueError(f"cpu_weight_reload must be prepacked or layerwise, not {cpu_reload!r}")
+        # on GPU there is nothing to re-pack: the layerwise reload is a device copy
+        if backend != "gloo" or getattr(self, "_reload_mode", None) == "layerwise":
+            cpu_reload = "layerwise"  # (a fallback once taken stays: the swap's shadows were removed)
+        self._reload_mode = cpu_reload
+        self._prepacked_reload = getattr(self, "_prepacked_reload", None)  # kept across rejoins
         # reload warns on every sync that the tied lm_head and rotary buffers got no weights: expected
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         rank = 1 + int(getattr(self, "rank", 0))  # rank 0 is the learner
@@ -40,15 +53,15 @@ class WeightSyncExtension:
     def ws_recv(self, meta: Meta) -> dict:
         """Receive a broadcast and load it at once (the engine is idle between two batches)."""
         t0 = time.perf_counter()
-        self._load(self._ws.receive(meta))
-        return {"seconds": time.perf_counter() - t0}
+        self._apply(self._receive(meta, lazy=True))
+        return {"seconds": time.perf_counter() - t0, "reload": self._reload_mode}
 
     def ws_prefetch(self, meta: Meta) -> bool:
         """Start receiving a broadcast in a background thread and return at once, so generation goes on
         while the bytes arrive (in-flight updates); `ws_commit` loads them once the engine is paused."""
         def receive() -> None:
             try:
-                self._staged = list(self._ws.receive(meta))  # views into the receiver's persistent buffers
+                self._staged = self._receive(meta, lazy=False)
             except BaseException as e:  # surfaced by ws_commit
                 self._staged = e
 
@@ -69,10 +82,61 @@ class WeightSyncExtension:
         staged, self._staged = self._staged, None
         if isinstance(staged, BaseException):
             raise RuntimeError(f"weight prefetch failed: {staged}") from staged
-        self._load(iter(staged))
-        return {"seconds": time.perf_counter() - t0, "waited": waited}
+        self._apply(staged)
+        return {"seconds": time.perf_counter() - t0, "waited": waited, "reload": self._reload_mode}
 
-    def _load(self, buckets) -> None:
+    def _prepacked(self) -> PrepackedReload | None:
+        if self._reload_mode != "prepacked":
+            return None
+        if self._prepacked_reload is None:
+            try:
+                self._prepacked_reload = PrepackedReload(self.model_runner.model)
+            except Unsupported as e:
+                self._fall_back(str(e))
+        return self._prepacked_reload
+
+    def _fall_back(self, why: str) -> None:
+        log.warning("weight reload: pre-packed swap not possible (%s); using vLLM's layerwise reload", why)
+        if self._prepacked_reload is not None:
+            self._prepacked_reload.undo()
+        self._prepacked_reload, self._reload_mode = None, "layerwise"
+
+    def _receive(self, meta: Meta, lazy: bool):
+        """Receive a broadcast. With the swap ready for these receive buffers, each bucket is staged (loaded
+        into shadows, its completed layers re-packed) while the next one is in flight, and the swap is
+        returned; otherwise the buckets (views into the receive buffers): a lazy iterator or a list."""
+        buckets = self._ws.receive(meta)
+        fast = self._prepacked()
+        if fast is None:
+            return buckets if lazy else list(buckets)
+        rest = []
+        for i, bucket in enumerate(buckets):
+            if not rest and fast.recorded_for(self._ws.buffers):
+                fast.stage(i)
+            else:
+                rest.append(bucket)
+        return rest or fast
+
+    def _apply(self, received) -> None:
+        """Make received weights live (generation stopped): commit a staged swap, or load the buckets."""
+        if isinstance(received, PrepackedReload):
+            received.commit()
+            return
+        fast = self._prepacked()
+        if fast is not None:  # first sync, or new receive buffers: route the broadcast once, then swap
+            received = list(received)
+            try:
+                fast.record(received, self._ws.buffers)
+            except Unsupported as e:
+                self._fall_back(str(e))
+            else:
+                for i in range(len(received)):
+                    fast.stage(i)
+                fast.commit()
+                return
+        self._load_layerwise(received)
+
+    def _load_layerwise(self, buckets) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         model = self.model_runner.model

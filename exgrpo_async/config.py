@@ -130,6 +130,13 @@ class EngineConfig(_Strict):
     half the memory on CPU. Weight sync works the same either way."""
     max_num_seqs: int = Field(256, gt=0)
     """vLLM's cap on concurrently scheduled sequences."""
+    cpu_weight_reload: Literal["prepacked", "layerwise"] = "prepacked"
+    """CPU only: how new weights enter vLLM's oneDNN-packed layers. "prepacked": new packed layers are
+    built while the broadcast arrives (and, for in-flight updates, while generation goes on), then
+    swapped in; holds a second set of packed weights while a sync is staged. "layerwise": vLLM's
+    layerwise reload after the broadcast (less memory, slower; for in-flight updates the whole reload
+    runs with generation stopped). A model the swap cannot handle falls back to layerwise with a
+    warning."""
 
 
 class ActorConfig(_Strict):

@@ -76,19 +76,38 @@ def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     return pg.broadcast([tensor], opts)
 
 
+def _group(name: str) -> str:
+    """The block a parameter belongs to: "model.layers.3.self_attn" for "model.layers.3.self_attn.q_proj.weight"."""
+    return name.rsplit(".", 2)[0]
+
+
 def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Meta:
-    """Group parameters into same-dtype buckets of about `bucket_bytes` (a big tensor gets its own)."""
+    """Group parameters into same-dtype buckets of about `bucket_bytes` (a big tensor gets its own).
+
+    Within each block (parameters sharing the prefix before their module's name) the matrices come
+    first, in model order, and a block that fits in a bucket is never split across two. So the
+    projections an inference engine fuses (q/k/v, gate/up) lie back to back in one flat buffer, already
+    in the fused layout: a CPU actor can re-pack them straight from its receive buffer (actors/cpu_reload.py).
+    """
+    blocks: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        blocks.setdefault(_group(name), []).append((name, t))
     buckets: Meta = []
     cur: list[tuple[str, str, list[int]]] = []
     cur_bytes, cur_dtype = 0, None
-    for name, t in named:
-        dtype = str(t.dtype).removeprefix("torch.")
-        size = t.numel() * t.element_size()
-        if cur and (dtype != cur_dtype or cur_bytes + size > bucket_bytes):
-            buckets.append(cur)
+    for block in blocks.values():
+        block = [x for x in block if x[1].dim() >= 2] + [x for x in block if x[1].dim() < 2]
+        if cur and cur_bytes + sum(t.numel() * t.element_size() for _, t in block) > bucket_bytes:
+            buckets.append(cur)  # the whole block would not fit: start it in a fresh bucket
             cur, cur_bytes = [], 0
-        cur.append((name, dtype, list(t.shape)))
-        cur_bytes, cur_dtype = cur_bytes + size, dtype
+        for name, t in block:
+            dtype = str(t.dtype).removeprefix("torch.")
+            size = t.numel() * t.element_size()
+            if cur and (dtype != cur_dtype or cur_bytes + size > bucket_bytes):
+                buckets.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append((name, dtype, list(t.shape)))
+            cur_bytes, cur_dtype = cur_bytes + size, dtype
     if cur:
         buckets.append(cur)
     return buckets
@@ -190,6 +209,11 @@ class WeightReceiver:
         self.pg = make_group(host, port, prefix, rank, world_size, backend, timeout_s)
         self._bufs: list[torch.Tensor] = []  # kept across syncs: fresh large buffers cost page faults
         self._plan: list[tuple[str, int]] = []
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat receive buffers (one per bucket), reused while the bucket plan stays the same."""
+        return self._bufs
 
     def receive(self, meta: Meta) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) views while the next bucket is still in flight."""

@@ -6,15 +6,19 @@ in its own child process, pinned with this process to core 0, 64 MiB KV cache) k
 `--concurrency` groups (n=4, T=1, 64 tokens) resubmitted as they finish. Per mode (`wait`, `abort`)
 `--repeats` updates after one warm-up, one every ~0.5 s of generation: the learner packs a new
 version, replies with meta and broadcasts; the actor runs `update_in_flight` (prefetch during
-generation, pause with the prefix cache cleared, commit, resume). Columns (medians):
-- stall: seconds the engine was stopped (pause returned -> resumed; abort: from the pause call);
+generation, with the prepacked reload also staged there; pause with the prefix cache cleared; commit
+(prepacked: the swap; layerwise: vLLM's whole layerwise reload); resume). Each model runs once per
+`--reloads` mode, a fresh engine and learner each. Columns (medians):
+- stall: seconds the engine was stopped (pause returned -> resumed; abort: from the pause call, which
+  waits for the running step);
 - pause: the pause call itself (the drain in `wait`); total: request -> resumed;
 - bare: the same bytes broadcast over a plain gloo group between the same processes into reused
   buffers, measured with the engine idle (the issue's baseline);
 - tok/s: generation throughput over the whole update phase (updates included).
 Target: stall <= 2x bare.
 
-    .venv/bin/python ops/bench/inflight_update.py [--models toy,113m] [--repeats 8] [--out bench_out/inflight_update.json]
+    .venv/bin/python ops/bench/inflight_update.py [--models toy,113m] [--repeats 8] [--reloads prepacked,layerwise]
+        [--out bench_out/inflight_update.json]
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ async def bench_mode(engine, conn, bufs, mode: str, repeats: int, concurrency: i
             **{k: statistics.median(r[k] for r in rows) for k in ("stall", "pause", "total")}}
 
 
-async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int) -> dict:
+async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int, reload: str) -> dict:
     from actors.engine import AsyncVLLMEngine
 
     cores = sorted(os.sched_getaffinity(0))
@@ -86,7 +90,8 @@ async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int)
         proc.start()
         port = conn.recv()
         os.sched_setaffinity(0, {cores[0]})  # the engine core process inherits it
-        engine = AsyncVLLMEngine(tmp, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=64), on_cpu=True)
+        engine = AsyncVLLMEngine(tmp, ModelConfig(max_model_len=256),
+                                 EngineConfig(kv_cache_mb=64, cpu_weight_reload=reload), on_cpu=True)
         loop = asyncio.get_running_loop()
         try:
             conn.send("open")
@@ -110,6 +115,7 @@ async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int)
                 bare.append(time.perf_counter() - t0)
             bare_s = statistics.median(bare[1:])
             modes = [await bench_mode(engine, conn, bufs, m, repeats, concurrency) for m in ("wait", "abort")]
+            assert engine.reload_mode == reload, f"asked for {reload}, the worker used {engine.reload_mode}"
             conn.send("close")
             bare_pg.shutdown()
         finally:
@@ -117,7 +123,7 @@ async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int)
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    return {"model": size, "bytes": sum(b.numel() * b.element_size() for b in bufs), "bare_s": bare_s, "modes": modes}
+    return {"model": size, "reload": reload, "bytes": sum(b.numel() * b.element_size() for b in bufs), "bare_s": bare_s, "modes": modes}
 
 
 def _n(shape) -> int:
@@ -133,24 +139,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--reloads", default="prepacked,layerwise", help="actor.engine.cpu_weight_reload values to compare")
     ap.add_argument("--out", default=str(REPO / "bench_out" / "inflight_update.json"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     torch.set_num_threads(1)
-    results = [asyncio.run(bench_model(m, args.repeats, args.concurrency, args.bucket_mb)) for m in args.models.split(",")]
+    results = [asyncio.run(bench_model(m, args.repeats, args.concurrency, args.bucket_mb, r))
+               for m in args.models.split(",") for r in args.reloads.split(",")]
     print(f"in-flight updates, {args.concurrency} groups x 4 samples generating; seconds, median of {args.repeats}")
-    print(f"{'model':>6} {'MB':>6} {'mode':>6} {'stall':>8} {'pause':>8} {'total':>8} {'bare':>8} {'stall/bare':>10} "
+    print(f"{'model':>6} {'reload':>9} {'MB':>6} {'mode':>6} {'stall':>8} {'pause':>8} {'total':>8} {'bare':>8} {'stall/bare':>10} "
           f"{'tok/s':>7}  target")
     ok = True
     for r in results:
         for m in r["modes"]:
             m["ratio"] = m["stall"] / r["bare_s"]
             m["pass"] = m["ratio"] <= TARGET
-            ok &= m["pass"]
-            print(f"{r['model']:>6} {r['bytes'] / 1e6:>6.1f} {m['mode']:>6} {m['stall']:>8.4f} {m['pause']:>8.4f} "
+            ok &= m["pass"] or r["reload"] != "prepacked"  # the target is for the default
+            print(f"{r['model']:>6} {r['reload']:>9} {r['bytes'] / 1e6:>6.1f} {m['mode']:>6} {m['stall']:>8.4f} {m['pause']:>8.4f} "
                   f"{m['total']:>8.4f} {r['bare_s']:>8.4f} {m['ratio']:>10.2f} {m['tok_per_s']:>7.0f}  "
                   f"{'PASS' if m['pass'] else 'FAIL'}")
-    print(f"target: stall <= {TARGET}x bare broadcast: {'PASS' if ok else 'FAIL'}")
+    print(f"target: stall <= {TARGET}x bare broadcast with the default (prepacked) reload: {'PASS' if ok else 'FAIL'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"results": results, "target_ratio": TARGET, "pass": ok}, indent=2))

@@ -2,8 +2,9 @@
 
 - `wait`: groups generating when the update starts finish on the old weights (none is cut), and after
   the update greedy output and log-probs equal the learner's new weights;
-- a prefetched broadcast changes nothing until it is committed: the receive buffers are not the
-  engine's weights (a received-but-uncommitted version must not leak into generation);
+- a prefetched broadcast changes nothing until it is committed: neither the receive buffers nor the
+  pre-packed layers staged from them are the engine's weights (a received-but-uncommitted version must
+  not leak into generation);
 - `abort`: groups running at the update are cut and come back with finish_reason "abort", so the
   actor can resubmit them on the new weights.
 """
@@ -79,6 +80,7 @@ def test_in_flight_updates(tiny_tied):
             finished = await asyncio.gather(*running)
             assert all(s.finish_reason != "abort" for _, samples in finished for s in samples)
             assert engine.policy_version == 2 and 0 <= timings["stall"] <= timings["total"]
+            assert engine.reload_mode == "prepacked"  # the default: staged in the prefetch thread, swapped in
             assert_matches(model, tok, prompts, await greedy(engine, prompts), "after an in-flight update")
 
             # a received but uncommitted broadcast must not reach the engine's weights

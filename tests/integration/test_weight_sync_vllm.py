@@ -2,7 +2,9 @@
 
 After a broadcast of perturbed weights, vLLM's greedy continuation must equal the learner model's, and
 its sampled-token log-probs must match the learner's log_softmax: with tied embeddings (the CPU lm_head
-pitfall), without them, and for prompts longer than the 128-token prefix-cache block (stale-KV pitfall).
+pitfall), without them, and for prompts longer than the 128-token prefix-cache block (stale-KV pitfall);
+through the pre-packed swap (actors/cpu_reload.py, the default) and vLLM's layerwise reload. The
+broadcast uses 1 MB buckets, so the swap stages layers across several buckets.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int) -> None:
     assert not t.is_alive()
 
 
+def prepacked_counts(worker) -> dict[str, int]:
+    return worker._prepacked_reload.counts()
+
+
 def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
     ids = torch.tensor([tok(prompt)["input_ids"]])
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0, top_k=None, top_p=None)
@@ -43,14 +49,16 @@ def hf_logprobs(model, prompt_ids: list[int], completion: list[int]) -> torch.Te
     return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("policy", ["tiny_tied", "tiny_untied"])
-def test_vllm_matches_learner_after_sync(policy, request):
+@pytest.mark.parametrize("policy,reload", [("tiny_tied", "prepacked"), ("tiny_untied", "prepacked"),
+                                           ("tiny_tied", "layerwise")])
+def test_vllm_matches_learner_after_sync(policy, reload, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(request.getfixturevalue(policy))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
+    engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32, cpu_weight_reload=reload),
+                        on_cpu=True)
     pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
     try:
         t = threading.Thread(target=pub.open_group, args=("a", 2))
@@ -64,7 +72,10 @@ def test_vllm_matches_learner_after_sync(policy, request):
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
             sync(engine, pub, model, version)
-            assert engine.policy_version == version
+            assert engine.policy_version == version and engine.reload_mode == reload
+            if reload == "prepacked":  # the bucket plan lays fused projections out: no shadow copies
+                counts = engine.llm.collective_rpc(prepacked_counts)[0]
+                assert counts["direct"] == counts["linear"] > 0, counts
             outs = engine.generate(prompts, 1, 0.0, 24)
             for prompt, (prompt_ids, samples) in zip(prompts, outs):
                 got = samples[0].token_ids.tolist()
@@ -88,3 +99,37 @@ def test_plan_buckets_splits_by_size_and_dtype():
     meta = plan_buckets(named, bucket_bytes=2048)
     assert [[n for n, _, _ in b] for b in meta] == [["a", "b"], ["c"], ["d"]]
     assert meta[2][0][1] == "bfloat16" and meta[1][0][2] == [1024]
+
+
+def test_partial_broadcast_falls_back_to_layerwise(tiny_tied, request):
+    """A broadcast that leaves some packed layers without weights cannot be swapped in whole: the worker
+    falls back to vLLM's layerwise reload (logged), and the engine still serves exactly the new weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tiny_tied)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
+    try:
+        t = threading.Thread(target=pub.open_group, args=("a", 2))
+        t.start()
+        engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 2, "gloo", 60)
+        t.join()
+        sent = [(n, p) for n, p in model.named_parameters() if ".mlp." not in n]  # no MLP weights at all
+        with torch.no_grad():
+            for _, p in sent:
+                p.add_(torch.randn_like(p) * 0.05)
+        pub.publish(1, sent)
+        _, meta, flat = pub.snapshot()
+        t = threading.Thread(target=pub.send, args=("a", flat))
+        t.start()
+        engine.load_weights(meta, 1)
+        t.join(timeout=60)
+        assert engine.reload_mode == "layerwise"
+        for prompt, (prompt_ids, samples) in zip(SHORT, engine.generate(SHORT, 1, 0.0, 16)):
+            got = samples[0].token_ids.tolist()
+            assert got == hf_greedy(model, tok, prompt, 16)[:len(got)]
+    finally:
+        engine.close()
+        pub.close_group("a")

@@ -24,3 +24,25 @@ def test_checked_out_buffers_survive_later_publishes_and_are_reused_after_releas
     pub.publish(5, params(5.0))
     assert len(pub._sets) == n_sets  # no new allocation once sets are free again
     assert torch.all(pub.snapshot()[2][0] == 5.0) and pub.version == 5
+
+
+def test_plan_buckets_keeps_fused_projections_back_to_back():
+    """Each block's matrices come first and a block that fits is never split, so q/k/v (and gate/up) lie
+    contiguous in one flat buffer: what the CPU pre-packed reload packs from without a copy."""
+    from exgrpo_async.weight_sync import plan_buckets
+
+    def block(i: int) -> list:
+        p = f"model.layers.{i}.self_attn."
+        return [(p + "q_proj.weight", torch.zeros(8, 4)), (p + "q_proj.bias", torch.zeros(8)),
+                (p + "k_proj.weight", torch.zeros(4, 4)), (p + "k_proj.bias", torch.zeros(4)),
+                (p + "v_proj.weight", torch.zeros(4, 4)), (p + "v_proj.bias", torch.zeros(4)),
+                (p + "o_proj.weight", torch.zeros(4, 8))]
+
+    named = [("model.embed_tokens.weight", torch.zeros(10, 4))] + block(0) + block(1)
+    meta = plan_buckets(named, bucket_bytes=4 * (40 + 112 + 16))  # embed + one block fit, two do not
+    names = [[n.removeprefix("model.layers.") for n, _, _ in b] for b in meta]
+    assert names[0] == ["model.embed_tokens.weight", "0.self_attn.q_proj.weight", "0.self_attn.k_proj.weight",
+                        "0.self_attn.v_proj.weight", "0.self_attn.o_proj.weight", "0.self_attn.q_proj.bias",
+                        "0.self_attn.k_proj.bias", "0.self_attn.v_proj.bias"]
+    assert [n.split(".")[0] for n in names[1]] == ["1"] * 7  # block 1 starts a bucket rather than splitting
+    assert sorted(n for b in meta for n, _, _ in b) == sorted(n for n, _ in named)
