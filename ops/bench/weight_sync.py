@@ -177,7 +177,7 @@ def bench_model(size: str, bucket_mb: int, reload: str) -> dict:
                 bare_s, bare_send_s = timed(conn, "bare", bare_into(fresh=False))
                 bare_fresh_s, _ = timed(conn, "bare", bare_into(fresh=True))
                 if reload == "layerwise":
-                    reload_s, commit_s = rpc(worker_reload, args=(meta, bufs))[0], float("nan")
+                    reload_s, commit_s = rpc(worker_reload, args=(meta, bufs))[0], None  # no split
                 else:
                     reload_s, commit_s = rpc(worker_restage, args=(len(meta),))[0]
                 if i >= WARMUP:
@@ -194,7 +194,7 @@ def bench_model(size: str, bucket_mb: int, reload: str) -> dict:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None for k in rows[0]}
     return {"model": size, "reload": reload, "params": n_params, "bytes": sum(b.numel() * b.element_size() for b in bufs),
             "buckets": len(bufs), "bucket_mb": bucket_mb, "repeats": rows, "median": med,
             "ratio": med["sync_s"] / med["bare_s"], "ratio_vs_bare_fresh": med["sync_s"] / med["bare_fresh_s"]}
@@ -218,7 +218,7 @@ def main() -> None:
     for r in results:
         r["pass"] = r["ratio"] <= TARGET
         print(f"{r['model']:>6} {r['reload']:>9} {r['params'] / 1e6:>6.1f}M {r['bytes'] / 1e6:>6.1f} {r['buckets']:>4} "
-              + " ".join(f"{r['median'][c]:>14.4f}" for c in cols)
+              + " ".join(f"{r['median'][c]:>14.4f}" if r['median'][c] is not None else f"{'-':>14}" for c in cols)
               + f" {r['ratio']:>9.2f} {r['ratio_vs_bare_fresh']:>10.2f}  {'PASS' if r['pass'] else 'FAIL'}")
     ok = all(r["pass"] for r in results if r["reload"] == "prepacked")
     print(f"target: sync <= {TARGET}x bare gloo broadcast with the default (prepacked) reload: {'PASS' if ok else 'FAIL'}")
