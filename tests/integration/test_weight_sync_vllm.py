@@ -22,8 +22,18 @@ SHORT = ["<bos>12+34=", "<bos>7*8=", "<bos>99-45=", "<bos>3+4*5="]
 LONG = ["<bos>" + "1234567890+" * 14 + "5=", "<bos>" + "9876543210-" * 13 + "7="]  # > 128 tokens
 
 
-def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int) -> None:
-    pub.publish(version, list(model.named_parameters()))
+def joined(engine: VLLMEngine) -> WeightPublisher:
+    """A learner-side publisher (1 MB buckets) whose group the engine's worker has joined."""
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
+    t = threading.Thread(target=pub.open_group, args=("a", 2))
+    t.start()
+    engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 2, "gloo", 60)
+    t.join()
+    return pub
+
+
+def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int, named: list | None = None) -> None:
+    pub.publish(version, named or list(model.named_parameters()))
     _, meta, flat = pub.snapshot()
     t = threading.Thread(target=pub.send, args=("a", flat))
     t.start()
@@ -59,12 +69,8 @@ def test_vllm_matches_learner_after_sync(policy, reload, request):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32, cpu_weight_reload=reload),
                         on_cpu=True)
-    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
+    pub = joined(engine)
     try:
-        t = threading.Thread(target=pub.open_group, args=("a", 2))
-        t.start()
-        engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 2, "gloo", 60)
-        t.join()
         prompts = SHORT + LONG
         engine.generate(prompts, 1, 0.0, 24)  # fills the prefix cache with KV of the old weights
         for version in (1, 2):  # two syncs: the second must also replace what the first loaded
@@ -110,22 +116,13 @@ def test_partial_broadcast_falls_back_to_layerwise(tiny_tied, request):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
-    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
+    pub = joined(engine)
     try:
-        t = threading.Thread(target=pub.open_group, args=("a", 2))
-        t.start()
-        engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 2, "gloo", 60)
-        t.join()
         sent = [(n, p) for n, p in model.named_parameters() if ".mlp." not in n]  # no MLP weights at all
         with torch.no_grad():
             for _, p in sent:
                 p.add_(torch.randn_like(p) * 0.05)
-        pub.publish(1, sent)
-        _, meta, flat = pub.snapshot()
-        t = threading.Thread(target=pub.send, args=("a", flat))
-        t.start()
-        engine.load_weights(meta, 1)
-        t.join(timeout=60)
+        sync(engine, pub, model, 1, sent)
         assert engine.reload_mode == "layerwise"
         for prompt, (prompt_ids, samples) in zip(SHORT, engine.generate(SHORT, 1, 0.0, 16)):
             got = samples[0].token_ids.tolist()
