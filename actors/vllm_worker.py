@@ -71,7 +71,8 @@ class WeightSyncExtension:
         return True
 
     def ws_prefetch_done(self) -> bool:
-        """True once the prefetched broadcast has fully arrived (cheap: polled between engine steps)."""
+        """True once the prefetched broadcast has fully arrived and, with the prepacked reload, is staged
+        (cheap: polled between engine steps)."""
         return not self._prefetch.is_alive()
 
     def ws_commit(self) -> dict:
