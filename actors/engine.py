@@ -183,7 +183,9 @@ class AsyncVLLMEngine:
         load, resume.
 
         Returns seconds: `total` (request to resume), `pause` (pause call: drain or abort),
-        `stall` (engine stopped: pause returned until resumed, plus the abort itself in `abort` mode)."""
+        `stall` (engine stopped: pause returned until resumed, plus the abort itself in `abort` mode),
+        `commit` (the commit's own work in the worker; the rest of a `wait` stall is two round trips to
+        the engine-core process: commit, resume)."""
         t0 = time.perf_counter()
         await self.llm.collective_rpc("ws_prefetch", args=(meta,))
         while not all(await self.llm.collective_rpc("ws_prefetch_done")):  # generation goes on meanwhile
@@ -196,13 +198,14 @@ class AsyncVLLMEngine:
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
         t_paused = time.perf_counter()
         try:
-            self.reload_mode = (await self.llm.collective_rpc("ws_commit"))[0]["reload"]
+            done = (await self.llm.collective_rpc("ws_commit"))[0]
+            self.reload_mode = done["reload"]
             self.policy_version = version
         finally:
             await self.llm.resume_generation()
         t_end = time.perf_counter()
         stall = t_end - (t_pause if mode == "abort" else t_paused)
-        return {"total": t_end - t0, "pause": t_paused - t_pause, "stall": stall}
+        return {"total": t_end - t0, "pause": t_paused - t_pause, "stall": stall, "commit": done["seconds"]}
 
     async def close_weight_sync(self) -> None:
         await self.llm.collective_rpc("ws_close")

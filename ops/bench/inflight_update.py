@@ -8,14 +8,20 @@ in its own child process, pinned with this process to core 0, 64 MiB KV cache) k
 version, replies with meta and broadcasts; the actor runs `update_in_flight` (prefetch during
 generation, with the prepacked reload also staged there; pause with the prefix cache cleared; commit
 (prepacked: the swap; layerwise: vLLM's whole layerwise reload); resume). Each model runs once per
-`--reloads` mode, a fresh engine and learner each. Columns (medians):
+`--reloads` mode, a fresh engine and learner each. As in the stream actor loop, no new group starts
+while an update is under way (before, the bench resubmitted finished groups at once, and their
+admission on the actor's one core was timed as stall). Columns (medians):
 - stall: seconds the engine was stopped (pause returned -> resumed; abort: from the pause call, which
   waits for the running step);
+- commit: the commit's own work in the worker (the rest of a `wait` stall is the round trips to the
+  engine-core process: commit, resume);
 - pause: the pause call itself (the drain in `wait`); total: request -> resumed;
 - bare: the same bytes broadcast over a plain gloo group between the same processes into reused
   buffers, measured with the engine idle (the issue's baseline);
 - tok/s: generation throughput over the whole update phase (updates included).
-Target: stall <= 2x bare.
+Target: stall <= 2x bare, judged on the defaults (`wait`, prepacked). Every row says PASS or FAIL;
+an `abort` stall also holds the forward step that is running when the pause arrives (about 8 ms for
+the toy model with 32 sequences, more than its whole broadcast).
 
     .venv/bin/python ops/bench/inflight_update.py [--models toy,113m] [--repeats 8] [--reloads prepacked,layerwise]
         [--out bench_out/inflight_update.json]
@@ -51,12 +57,15 @@ def pinned_learner(path: str, bucket_mb: int, conn, core: int) -> None:
     learner(path, bucket_mb, conn)
 
 
-async def bench_mode(engine, conn, bufs, mode: str, repeats: int, concurrency: int) -> dict:
+async def bench_mode(engine, conn, mode: str, repeats: int, concurrency: int) -> dict:
     loop = asyncio.get_running_loop()
     stop, tokens = False, [0]
+    ready = asyncio.Event()  # as in actors/stream_loop.py: no group starts while an update is under way
+    ready.set()
 
     async def keep_busy(i: int) -> None:
         while not stop:
+            await ready.wait()
             _, samples = await engine.generate_group(f"<bos>{i}+{i * 7}=", 4, 1.0, 64)
             tokens[0] += sum(len(s.token_ids) for s in samples if s.finish_reason != "abort")
 
@@ -68,7 +77,11 @@ async def bench_mode(engine, conn, bufs, mode: str, repeats: int, concurrency: i
         await loop.run_in_executor(None, lambda: (conn.send("publish"), conn.recv()))
         conn.send("send")
         version, meta = await loop.run_in_executor(None, conn.recv)
-        t = await engine.update_in_flight(meta, version, mode)
+        ready.clear()
+        try:
+            t = await engine.update_in_flight(meta, version, mode)
+        finally:
+            ready.set()
         await loop.run_in_executor(None, conn.recv)  # the learner's send is done
         if i:
             rows.append(t)
@@ -76,7 +89,7 @@ async def bench_mode(engine, conn, bufs, mode: str, repeats: int, concurrency: i
     stop = True
     await asyncio.gather(*workers)
     return {"mode": mode, "repeats": rows, "tok_per_s": tokens[0] / elapsed,
-            **{k: statistics.median(r[k] for r in rows) for k in ("stall", "pause", "total")}}
+            **{k: statistics.median(r[k] for r in rows) for k in ("stall", "commit", "pause", "total")}}
 
 
 async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int, reload: str) -> dict:
@@ -114,7 +127,7 @@ async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int,
                 conn.recv()
                 bare.append(time.perf_counter() - t0)
             bare_s = statistics.median(bare[1:])
-            modes = [await bench_mode(engine, conn, bufs, m, repeats, concurrency) for m in ("wait", "abort")]
+            modes = [await bench_mode(engine, conn, m, repeats, concurrency) for m in ("wait", "abort")]
             assert engine.reload_mode == reload, f"asked for {reload}, the worker used {engine.reload_mode}"
             conn.send("close")
             bare_pg.shutdown()
@@ -147,18 +160,22 @@ def main() -> None:
     results = [asyncio.run(bench_model(m, args.repeats, args.concurrency, args.bucket_mb, r))
                for m in args.models.split(",") for r in args.reloads.split(",")]
     print(f"in-flight updates, {args.concurrency} groups x 4 samples generating; seconds, median of {args.repeats}")
-    print(f"{'model':>6} {'reload':>9} {'MB':>6} {'mode':>6} {'stall':>8} {'pause':>8} {'total':>8} {'bare':>8} {'stall/bare':>10} "
+    print(f"{'model':>6} {'reload':>9} {'MB':>6} {'mode':>6} {'stall':>8} {'commit':>8} {'pause':>8} {'total':>8} "
+          f"{'bare':>8} {'stall/bare':>10} "
           f"{'tok/s':>7}  target")
     ok = True
     for r in results:
         for m in r["modes"]:
             m["ratio"] = m["stall"] / r["bare_s"]
             m["pass"] = m["ratio"] <= TARGET
-            ok &= m["pass"] or r["reload"] != "prepacked"  # the target is for the default
-            print(f"{r['model']:>6} {r['reload']:>9} {r['bytes'] / 1e6:>6.1f} {m['mode']:>6} {m['stall']:>8.4f} {m['pause']:>8.4f} "
+            # judged on the defaults (actor.engine: inflight_update "wait", cpu_weight_reload "prepacked"); an
+            # abort-mode stall includes the forward step running when the pause arrives, a floor of its own
+            ok &= m["pass"] or (r["reload"], m["mode"]) != ("prepacked", "wait")
+            print(f"{r['model']:>6} {r['reload']:>9} {r['bytes'] / 1e6:>6.1f} {m['mode']:>6} "
+                  f"{m['stall']:>8.4f} {m['commit']:>8.4f} {m['pause']:>8.4f} "
                   f"{m['total']:>8.4f} {r['bare_s']:>8.4f} {m['ratio']:>10.2f} {m['tok_per_s']:>7.0f}  "
                   f"{'PASS' if m['pass'] else 'FAIL'}")
-    print(f"target: stall <= {TARGET}x bare broadcast with the default (prepacked) reload: {'PASS' if ok else 'FAIL'}")
+    print(f"target: stall <= {TARGET}x bare broadcast with the defaults (wait, prepacked): {'PASS' if ok else 'FAIL'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"results": results, "target_ratio": TARGET, "pass": ok}, indent=2))

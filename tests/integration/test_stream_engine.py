@@ -1,7 +1,8 @@
 """In-flight weight updates into a real vLLM AsyncLLM engine on CPU (the "stream" actor engine).
 
 - `wait`: groups generating when the update starts finish on the old weights (none is cut), and after
-  the update greedy output and log-probs equal the learner's new weights;
+  the update greedy output and log-probs equal the learner's new weights, also for requests queued
+  while the engine was paused (they must not start before the commit);
 - a prefetched broadcast changes nothing until it is committed: neither the receive buffers nor the
   pre-packed layers staged from them are the engine's weights (a received-but-uncommitted version must
   not leak into generation);
@@ -75,12 +76,18 @@ def test_in_flight_updates(tiny_tied):
             await asyncio.sleep(0.3)
             perturb(model)
             meta, t = broadcast_in_thread(pub, model, 2)
-            timings = await engine.update_in_flight(meta, 2, "wait")
+            update = asyncio.create_task(engine.update_in_flight(meta, 2, "wait"))
+            while not await engine.llm.is_paused():  # the drain has begun: new requests queue
+                await asyncio.sleep(0.001)
+            queued = asyncio.create_task(greedy(engine, prompts))
+            timings = await update
             t.join(timeout=60)
             finished = await asyncio.gather(*running)
             assert all(s.finish_reason != "abort" for _, samples in finished for s in samples)
             assert engine.policy_version == 2 and 0 <= timings["stall"] <= timings["total"]
             assert engine.reload_mode == "prepacked"  # the default: staged in the prefetch thread, swapped in
+            # queued while paused: they start after the resume, on the committed weights
+            assert_matches(model, tok, prompts, await queued, "queued during an in-flight update")
             assert_matches(model, tok, prompts, await greedy(engine, prompts), "after an in-flight update")
 
             # a received but uncommitted broadcast must not reach the engine's weights
