@@ -42,7 +42,7 @@ _GAUGES = {
     "mismatch_kl": ("exgrpo_learner_mismatch_kl", "k3 KL(vLLM || learner) on rollouts of the learner's own version."),
     "behaviour_kl": ("exgrpo_learner_behaviour_kl", "k3 KL(behaviour || learner) on all fresh rollouts."),
     "truncated_frac": ("exgrpo_learner_truncated_fraction", "Completions of the latest batch cut at max_new_tokens."),
-    "actor_idle_frac": ("exgrpo_learner_actor_idle_fraction", "Mean actor idle share (1 - generating/connected)."),
+    "actor_idle_frac": ("exgrpo_learner_actor_idle_fraction", "The actors' idle share over the last step (1 - generating/elapsed)."),
     "buffer_questions": ("exgrpo_buffer_questions", "Questions holding stored trajectories."),
     "buffer_trajectories": ("exgrpo_buffer_trajectories", "Stored trajectories."),
     "buffer_tokens": ("exgrpo_buffer_tokens", "Stored trajectory tokens."),

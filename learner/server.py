@@ -42,13 +42,24 @@ log = logging.getLogger("exgrpo_async.learner.server")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
+def actor_idle_share(before: dict[str, tuple[float, float]], now: dict[str, tuple[float, float]]) -> float | None:
+    """The actors' idle share between two snapshots of `LearnerServer.actor_busy`: 1 - seconds generating /
+    seconds elapsed, summed over the actors in both; None if none is. A window, not the whole connection,
+    so engine start-up and long-past stalls do not linger in it."""
+    busy = elapsed = 0.0
+    for actor, (b, t) in now.items():
+        if actor in before:
+            busy += max(0.0, b - before[actor][0])  # an actor that rejoined may have restarted its count
+            elapsed += t - before[actor][1]
+    return max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else None
+
+
 @dataclass
 class ActorInfo:
     actor_id: str
     group_key: str
     version: int = -1
     last_seen: float = field(default_factory=time.monotonic)
-    joined_at: float = field(default_factory=time.monotonic)
     metrics_address: str | None = None  # its Prometheus endpoint, host:port, as it reported it
     jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
@@ -69,7 +80,8 @@ class LearnerServer:
         self.counters: Counter[str] = Counter()
         self.sync_seconds: list[float] = []  # learner-side broadcast seconds, one per sync served
         self.update_timings: list[dict] = []  # actors' in-flight update seconds (pause, stall, total)
-        self.idle_fractions: dict[str, float] = {}  # actor id -> 1 - busy/connected time, at its last request
+        # actor id -> (its seconds generating so far, when it said so): its last work request's busy_s
+        self.actor_busy: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._n_actors = 0
         self._thread = threading.Thread(target=self._serve, name="zmq-server", daemon=True)
@@ -166,6 +178,7 @@ class LearnerServer:
     def _remove(self, peer: bytes) -> int:
         """Forget an actor: re-issue its outstanding work, close its group, end its sync thread."""
         info = self.actors.pop(peer)
+        self.actor_busy.pop(info.actor_id, None)
         self._update_targets()
         n = self.dispatcher.release_actor(info.actor_id)
         self.counters["work_released"] += n
@@ -200,8 +213,7 @@ class LearnerServer:
         if busy is not None:
             if not isinstance(busy, (int, float)) or isinstance(busy, bool) or busy < 0:
                 raise WireError(f"bad busy_s {busy!r}")
-            connected = max(1e-9, time.monotonic() - info.joined_at)
-            self.idle_fractions[info.actor_id] = max(0.0, 1.0 - float(busy) / connected)
+            self.actor_busy[info.actor_id] = (float(busy), time.monotonic())
         updates = head.get("updates", [])
         if not isinstance(updates, list) or len(updates) > 64:
             raise WireError("bad updates field")

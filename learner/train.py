@@ -42,7 +42,7 @@ from learner.grpo import (group_advantages, mismatch_kl, pack_sequences, policy_
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
 from learner.replay import select_replays
-from learner.server import LearnerServer
+from learner.server import LearnerServer, actor_idle_share
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -258,6 +258,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         t_start = time.time()
         rollouts_at_start, tokens_at_start = totals["rollouts"], totals["tokens"]
         n_syncs_seen = n_updates_seen = 0
+        busy_seen: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
         empty_buffer_steps = 0  # consecutive steps with experience mixing on and nothing stored
         if prom is not None:
             prom.mark_progress()
@@ -473,7 +474,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             # 5) metrics
             syncs, n_syncs_seen = server.sync_seconds[n_syncs_seen:], len(server.sync_seconds)
             updates, n_updates_seen = server.update_timings[n_updates_seen:], len(server.update_timings)
-            idle = list(server.idle_fractions.values())
+            busy_before, busy_seen = busy_seen, dict(server.actor_busy)  # a copy: the server thread writes it
             elapsed = time.time() - t_start
             row = {
                 "step": step, "policy_version": version, "reward_mean": sum(rewards) / len(rewards),
@@ -484,7 +485,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                 "sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": time.time() - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
                 "learner_idle_frac": t_wait / max(1e-9, time.time() - t_step),
-                "actor_idle_frac": sum(idle) / len(idle) if idle else None,
+                "actor_idle_frac": actor_idle_share(busy_before, busy_seen),
                 "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
                 "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
                 "update_stall_max_seconds": max((u["stall"] for u in updates), default=None),

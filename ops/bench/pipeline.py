@@ -5,7 +5,8 @@ core by the launcher, the learner on 1 thread) on the cached toy policy, with he
 so the clock covers RL only. Per run, from metrics.jsonl, steps after the first `--skip` (warm-up):
 - rollouts/s: rollouts trained / wall seconds between the end of step `skip` and the last step;
 - learner idle %: time the learner waited for rollouts / step time;
-- actor idle %: 1 - (seconds the actor spent generating) / (seconds connected), as the actor reports it;
+- actor idle %: 1 - (seconds the actors spent generating) / (seconds elapsed), over the measured steps
+  (from the per-step `actor_idle_frac`, weighted by step time);
 - reward: mean batch reward of the last 10 steps; staleness: mean over the measured steps;
 - update stall (stream engine): seconds the engine was paused per in-flight weight update, mean/max.
 Ideal overlap bound, from the eta=0 run of the same invocation: per step, gen = the learner's wait for
@@ -46,6 +47,14 @@ def run_once(eta: int, steps: int, engine: str, actors: int, extra: list[str], o
     return [r for r in rows if "reward_mean" in r]
 
 
+def actor_idle_pct(rows: list[dict]) -> float | None:
+    """Step-time-weighted mean of the per-step actor idle share (each step's figure spans that step)."""
+    known = [r for r in rows if r.get("actor_idle_frac") is not None]
+    if not known:
+        return None
+    return 100 * sum(r["actor_idle_frac"] * r["step_seconds"] for r in known) / sum(r["step_seconds"] for r in known)
+
+
 def summarize(rows: list[dict], skip: int) -> dict:
     meas = rows[skip:]
     wall = sum(r["step_seconds"] for r in meas)  # steps are back to back: their sum is the wall clock
@@ -54,7 +63,7 @@ def summarize(rows: list[dict], skip: int) -> dict:
     return {
         "rollouts_per_s": sum(r["rollouts"] for r in meas) / wall,
         "learner_idle_pct": 100 * sum(r["wait_seconds"] for r in meas) / wall,
-        "actor_idle_pct": 100 * meas[-1]["actor_idle_frac"] if meas[-1].get("actor_idle_frac") is not None else None,
+        "actor_idle_pct": actor_idle_pct(meas),
         "reward_last10": statistics.mean(r["reward_mean"] for r in rows[-10:]),
         "staleness_mean": statistics.mean(r["staleness_mean"] for r in meas),
         "gen_seconds_per_step": statistics.mean(r["wait_seconds"] for r in meas),
