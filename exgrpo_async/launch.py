@@ -58,6 +58,16 @@ def new_run_dir(output_dir: str) -> Path:
     return run_dir
 
 
+def placement(cores: list[int], num_actors: int, pin: bool) -> tuple[set[int] | None, list[int | None]]:
+    """(the learner's cores, each local actor's core); None leaves placement to the OS. Actors take cores
+    0..n-1 (round robin if there are more actors than cores) and the cores left over go to the learner,
+    so training never steals an actor's core; one core, or `pin=False`, pins nothing."""
+    if not pin or len(cores) < 2:
+        return None, [None] * num_actors
+    spare = set(cores[num_actors:]) if len(cores) > num_actors > 0 else None
+    return spare, [cores[i % len(cores)] for i in range(num_actors)]
+
+
 def _spawn(args: list[str], env: dict, cores: set[int] | None = None) -> subprocess.Popen:
     def setup() -> None:
         _die_with_parent()
@@ -85,9 +95,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
-        cores = sorted(os.sched_getaffinity(0))
-        # actors take cores 0..n-1; cores left over go to the learner, so training never steals an actor's core
-        spare = set(cores[cfg.actor.num_actors:]) if len(cores) > cfg.actor.num_actors > 0 else None
+        spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores)
         learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                           *(["--resume"] if resume_dir else [])],
                          dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)), spare)
@@ -102,8 +110,8 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             args = ["actor", "--learner", address]
             if cfg.transport.curve_keys_dir:
                 args += ["--keys", cfg.transport.curve_keys_dir]
-            if len(cores) > 1:
-                args += ["--cpu-core", str(cores[i % len(cores)])]
+            if actor_cores[i] is not None:
+                args += ["--cpu-core", str(actor_cores[i])]
             actor_args.append(args)
             children.append(_spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads))))
         restarts = [0] * cfg.actor.num_actors
