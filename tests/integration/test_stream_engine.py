@@ -77,8 +77,9 @@ def test_in_flight_updates(tiny_tied):
             perturb(model)
             meta, t = broadcast_in_thread(pub, model, 2)
             update = asyncio.create_task(engine.update_in_flight(meta, 2, "wait"))
-            while not await engine.llm.is_paused():  # the drain has begun: new requests queue
+            while not update.done() and not await engine.llm.is_paused():  # the drain has begun: adds queue
                 await asyncio.sleep(0.001)
+            assert not update.done(), "the update ended before requests could be queued behind its pause"
             queued = asyncio.create_task(greedy(engine, prompts))
             timings = await update
             t.join(timeout=60)
