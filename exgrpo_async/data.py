@@ -238,6 +238,12 @@ class QuestionSampler:
             raise ValueError(f"QuestionSampler.exclude: unknown question ids {sorted(unknown)[:10]}")
         self._pending |= set(qids) - self._excluded
 
+    def include(self, qids) -> None:
+        """Undo `exclude` for `qids` (ExGRPO's re-injection ablation), from the next epoch on."""
+        qids = set(qids)
+        self._pending -= qids
+        self._excluded -= qids
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self._pos, "num_qids": len(self._qids),
                 "excluded": sorted(self._excluded), "pending": sorted(self._pending)}

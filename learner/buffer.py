@@ -6,11 +6,14 @@ use it. Rules (docs/exgrpo-algorithm.md section 2-3, the authors' code as defaul
   bucket k (last write wins) and appends its correct trajectories, de-duplicated by token ids;
   k == 0 changes nothing; k == K retires the question for good (`retire`).
 - retired questions are excluded from sampling at once and leave the buffer at `end_step()`.
-- `sample_questions(n)`: bucket weights from a Gaussian over k (count units, mean K/2, sigma 1 by
-  default; the paper's accuracy-unit form with `units="accuracy"`), multinomial bucket counts capped
-  at bucket sizes with leftovers redistributed by the original weights, uniform without replacement
-  inside a bucket. `weighting="uniform"` samples questions uniformly (the "w/o question selection"
-  ablation).
+- `sample_questions(n, exclude=...)`: questions in `exclude` (e.g. those with an
+  experience item still open) are removed from the pools first; then bucket weights from a Gaussian
+  over k (count units, mean K/2, sigma 1 by default; the paper's accuracy-unit form with
+  `units="accuracy"`), normalised over the buckets that still have questions, multinomial bucket
+  counts capped at the (reduced) bucket sizes with leftovers redistributed by the original weights,
+  uniform without replacement inside a bucket. `weighting="uniform"` samples the non-excluded
+  questions uniformly (the "w/o question selection" ablation). The picks come back in random order,
+  not grouped by bucket, so truncating the list cannot bias it.
 - memory: token ids int32 + log-probs float32 per token (8 bytes) plus a small per-trajectory
   overhead (a 16-byte de-duplication hash among it). `max_trajectories` caps the total; eviction is FIFO over the whole buffer (the oldest
   stored trajectory goes first; a question left with none leaves its bucket). None, the authors'
@@ -31,10 +34,12 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import random
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +115,11 @@ class ExperienceBuffer:
         if qid in self._bucket_of:
             self._remove_from_bucket(qid, self._bucket_of.pop(qid))
 
+    def unretire(self, qids: Collection[int]) -> None:
+        """Put retired questions back (the Table 7 ablation): they can be collected, and so bucketed and
+        replayed, again. Their trajectories left the buffer when they retired."""
+        self.retired.difference_update(qids)
+
     def end_step(self) -> None:
         for qid in [q for q in self._traj if q in self.retired]:
             self._drop(qid)
@@ -132,32 +142,57 @@ class ExperienceBuffer:
         de-duplication key per trajectory (Python object overhead not counted)."""
         return 8 * self.num_tokens + 16 * self.num_trajectories
 
-    def bucket_sizes(self) -> dict[int, int]:
-        """Eligible questions per bucket (retired ones are never in a bucket)."""
-        return {k: len(qs) for k, qs in self._buckets.items()}
+    def bucket_sizes(self, exclude: Collection[int] = ()) -> dict[int, int]:
+        """Eligible questions per bucket (retired ones are never in a bucket), less those in `exclude`:
+        the pools `sample_questions(..., exclude=exclude)` draws from."""
+        sizes = {k: len(qs) for k, qs in self._buckets.items()}
+        for q in exclude:
+            if (k := self._bucket_of.get(q)) is not None:
+                sizes[k] -= 1
+        return sizes
 
     def sample_questions(self, n: int, weighting: Literal["gaussian", "uniform"] = "gaussian",
                          mu: float | None = None, sigma: float = 1.0,
-                         units: Literal["count", "accuracy"] = "count") -> list[int]:
-        pools = {k: qs for k, qs in self._buckets.items() if qs}
-        if n <= 0 or not pools:
+                         units: Literal["count", "accuracy"] = "count",
+                         exclude: Collection[int] = ()) -> list[int]:
+        """Up to `n` distinct eligible questions, in random order (never grouped by bucket, so a caller
+        that truncates the list does not bias it). Questions in `exclude` (e.g. those with an experience
+        item in flight) are taken out of the pools first: bucket weights are normalised over the buckets
+        that still have questions, caps use the reduced sizes, and `weighting="uniform"` skips them too.
+        Ids in `exclude` that are not in a bucket are ignored. Cost O(n + len(exclude)): no pool is copied."""
+        if n <= 0:
+            return []
+        ex = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        removed = {k: 0 for k in self._buckets}  # excluded questions per bucket
+        for q in ex:
+            k = self._bucket_of.get(q)
+            if k is not None:
+                removed[k] += 1
+        size = {k: len(qs) - removed[k] for k, qs in self._buckets.items() if len(qs) > removed[k]}
+        if not size:
             return []
         if weighting == "uniform":
-            everyone = [q for qs in pools.values() for q in qs]
-            return self.rng.sample(everyone, min(n, len(everyone)))
+            out = self._draw_uniform(n, size, removed, ex)
+        else:
+            out = self._draw_gaussian(n, size, removed, ex, mu, sigma, units)
+        self.rng.shuffle(out)
+        return out
+
+    def _draw_gaussian(self, n: int, size: dict[int, int], removed: dict[int, int], ex: Collection[int],
+                       mu: float | None, sigma: float, units: Literal["count", "accuracy"]) -> list[int]:
         w = bucket_weights(self.K, mu, sigma, units)
-        ks = sorted(pools)
+        ks = sorted(size)
         total = sum(w[k] for k in ks)
         p = [w[k] / total for k in ks]
         counts = dict(zip(ks, np.random.default_rng(self.rng.getrandbits(32)).multinomial(n, p).tolist()))
         leftover = 0
-        for k in ks:  # cap at bucket sizes
-            over = counts[k] - len(pools[k])
+        for k in ks:  # cap at bucket sizes (excluded questions not counted)
+            over = counts[k] - size[k]
             if over > 0:
                 counts[k] -= over
                 leftover += over
         while leftover > 0:  # give leftovers back one at a time, by the original weights
-            room = [(k, pk) for k, pk in zip(ks, p) if counts[k] < len(pools[k])]
+            room = [(k, pk) for k, pk in zip(ks, p) if counts[k] < size[k]]
             if not room:
                 break
             k = self.rng.choices([k for k, _ in room], weights=[pk for _, pk in room])[0]
@@ -166,7 +201,33 @@ class ExperienceBuffer:
         out: list[int] = []
         for k in ks:
             if counts[k]:
-                out += self.rng.sample(pools[k], counts[k])
+                out += self._draw_from(self._buckets[k], counts[k], removed[k], ex)
+        return out
+
+    def _draw_from(self, pool: list[int], c: int, removed: int, ex: Collection[int]) -> list[int]:
+        """c questions uniformly without replacement from `pool` minus the `removed` excluded ones in it:
+        the first c non-excluded entries of a random ordering all lie within its first c + removed."""
+        if not removed:
+            return self.rng.sample(pool, c)
+        return [q for q in self.rng.sample(pool, min(len(pool), c + removed)) if q not in ex][:c]
+
+    def _draw_uniform(self, n: int, size: dict[int, int], removed: dict[int, int], ex: Collection[int]) -> list[int]:
+        """Uniform without replacement over every eligible, non-excluded question: random positions in
+        the buckets laid end to end (`range` is sampled without being materialised)."""
+        ks = [k for k in self._buckets if self._buckets[k]]
+        offsets, total = [], 0
+        for k in ks:
+            offsets.append(total)
+            total += len(self._buckets[k])
+        n = min(n, sum(size.values()))
+        out: list[int] = []
+        for i in self.rng.sample(range(total), min(total, n + sum(removed.values()))):
+            j = bisect.bisect_right(offsets, i) - 1
+            q = self._buckets[ks[j]][i - offsets[j]]
+            if q not in ex:
+                out.append(q)
+                if len(out) == n:
+                    break
         return out
 
     # ------------------------------------------------------------------ internals

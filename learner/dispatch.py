@@ -3,13 +3,20 @@
 Actors ask for work; the dispatcher answers from, in order of priority:
 1. evaluation items (held-out questions, scored but never trained on);
 2. ExGRPO experience items: K-1 fresh samples of a buffered question, sent with the trajectory that
-   will be replayed beside them (the actor re-verifies it);
-3. re-issued training questions (their rollouts were dropped as too stale, or their actor left);
+   will be replayed beside them (the actor re-verifies it); re-issued ones (`reissue`, a released or
+   expired actor's) go back to the front of this queue whole, replay included;
+3. re-issued fresh training questions (their rollouts were dropped as too stale or malformed, or
+   their actor left): K fresh samples again;
 4. the next question of the shuffled training pool.
 Training work is admitted only while `dispatched <= (version + 1 + max_staleness) * B` (AReaL-style
 admission): rollouts are not generated in the first place if they could not be trained on within
-`max_staleness` versions. Every dispatched item stays in `outstanding` until its rollouts arrive, so
-nothing is lost silently: an item is either returned to the learner or explicitly re-issued.
+`max_staleness` versions; a re-issue gives its admission back. Every dispatched item stays in
+`outstanding` until its rollouts arrive, so nothing is lost silently: an item is either returned to
+the learner or explicitly re-issued.
+An experience item is *open* from `add_experience` until the learner calls `experience_done` for its
+question (it trained the group, or gave it up): queued, dispatched, re-issued and received-but-untrained
+items are all open, and `experience_in_flight()` lists their questions, so the learner never chooses a
+question again while a group of it can still reach a batch.
 Thread-safe: the server thread dispatches, the training loop completes and re-queues.
 `state_dict`/`load_state_dict` carry the queues over a learner restart; work in flight then is lost
 with the crashed process, so a checkpoint records it as queued again (see `state_dict`).
@@ -51,9 +58,10 @@ class WorkItem:
 
 class Dispatcher:
     def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int,
-                 exclude_questions=None, sampling_seed: int | None = None):
+                 exclude_questions=None, sampling_seed: int | None = None, include_questions=None):
         self._next_question = next_question  # callable -> question id (the epoch sampler)
         self._exclude_questions = exclude_questions  # callable(set of ids): drop from later epochs
+        self._include_questions = include_questions  # callable(ids): back into later epochs (re-injection)
         self.B, self.K, self.temperature, self.eta = questions_per_step, samples, temperature, max_staleness
         self.sampling_seed = sampling_seed  # None: vLLM's own RNG; else every item gets a derived seed
         self._lock = threading.Lock()
@@ -61,6 +69,7 @@ class Dispatcher:
         self._retry: deque[int] = deque()
         self._eval: deque[WorkItem] = deque()
         self._experience: deque[WorkItem] = deque()
+        self._open: dict[int, int] = {}  # question id -> open experience items (see experience_done)
         self.outstanding: dict[int, WorkItem] = {}
         self.version = 0
         self.train_dispatched = 0  # training questions handed out, re-issues included
@@ -110,10 +119,24 @@ class Dispatcher:
         with self._lock:
             return self.outstanding.pop(work_id, None)
 
-    def reissue(self, question_id: int) -> None:
-        """A training question whose rollouts could not be used goes out again (ahead of new ones)."""
+    def reissue(self, item: WorkItem) -> None:
+        """A training item whose rollouts could not be used (too stale, wrong group size, no valid replay
+        reward) goes out again: a fresh one as its question id on the retry queue (K fresh samples, ahead
+        of new questions); an experience one as a new item at the front of the experience queue with the
+        same question, n, temperature and replay trajectory (it stays open). Either way it gives its
+        admission back. Normally called after `complete`; if the item is still outstanding it is taken
+        out, so a late reply to it is dropped."""
+        if not isinstance(item, WorkItem):
+            raise TypeError(f"reissue takes the WorkItem, not {type(item).__name__}")
+        if item.purpose != "train":
+            raise ValueError("only training items are re-issued")
         with self._lock:
-            self._retry.append(question_id)
+            self.outstanding.pop(item.work_id, None)
+            if item.replay is None:
+                self._retry.append(item.question_id)
+            else:
+                self._experience.appendleft(WorkItem(0, item.question_id, item.n, "train", item.temperature,
+                                                     min_version=item.min_version, replay=item.replay))
             self.train_dispatched -= 1  # the admission budget is for questions trained, not attempts
 
     def release_actor(self, actor_id: str) -> int:
@@ -153,12 +176,37 @@ class Dispatcher:
         with self._lock:
             for qid, traj in plan:
                 self._experience.append(WorkItem(0, qid, n, "train", self.temperature, replay=traj))
+                self._open[qid] = self._open.get(qid, 0) + 1
+
+    def experience_done(self, question_ids: Iterable[int]) -> None:
+        """Close one open experience item per id: the loop trained those experience groups (or gave them
+        up for good). Pass only the question ids of experience groups (items with a replay), once per
+        group, never those of fresh groups; an id with nothing open is ignored."""
+        with self._lock:
+            for qid in question_ids:
+                left = self._open.get(qid, 0) - 1
+                if left > 0:
+                    self._open[qid] = left
+                else:
+                    self._open.pop(qid, None)
 
     def experience_in_flight(self) -> set[int]:
-        """Question ids of experience items queued or dispatched and not yet returned."""
+        """Question ids with an open experience item: queued, dispatched, re-issued, or received but not
+        yet trained (open from `add_experience` until `experience_done`). The learner excludes these
+        when it samples the next experience questions."""
         with self._lock:
-            return {w.question_id for w in self._experience} | {
-                w.question_id for w in self.outstanding.values() if w.replay is not None}
+            return set(self._open)
+
+    def experience_queued(self) -> int:
+        """Experience items queued and not yet handed out (the next dispatch block's share)."""
+        with self._lock:
+            return len(self._experience)
+
+    def unretire(self, question_ids: list[int]) -> None:
+        """Re-injected questions go back into the fresh pool from the next epoch on (the Table 7 ablation)."""
+        if question_ids and self._include_questions is not None:
+            with self._lock:
+                self._include_questions(question_ids)
 
     def retire(self, question_ids: set[int]) -> None:
         """Retired questions leave the fresh pool from the next epoch on (under the dispatch lock,
@@ -185,7 +233,10 @@ class Dispatcher:
         inbox), die with a crashed learner, so they are recorded as queued again, in dispatch order:
         training question ids after the retry queue, experience items (with their replay trajectory)
         ahead of the queued ones, as `_take_back` does. Since nothing is in flight after the restart,
-        `train_dispatched` restarts at `train_consumed`. Eval work is not kept: the loop re-runs an
+        `train_dispatched` restarts at `train_consumed`. The open experience counts are not saved:
+        `load_state_dict` rebuilds them from the restored experience queue, which holds every open item
+        that was not yet trained (so `experience_done` must have been called for the trained groups
+        before this snapshot). Eval work is not kept: the loop re-runs an
         evaluation from the start. `sampler` (the question sampler behind `next_question`) is captured
         under the same lock, because `take` draws from it on the server thread: a question drawn
         between two separate snapshots would be lost or trained twice. Read-only for the live run.
@@ -205,8 +256,8 @@ class Dispatcher:
             }
 
     def load_state_dict(self, state: dict, sampler: Any = None) -> None:
-        """Restore queues and counters from `state_dict` (and `sampler`, if given, to its saved position).
-        Call before the server starts handing out work."""
+        """Restore queues and counters from `state_dict` (and `sampler`, if given, to its saved position);
+        every restored experience item is open again. Call before the server starts handing out work."""
         with self._lock:
             self.version, self.train_consumed = int(state["version"]), int(state["train_consumed"])
             self.train_dispatched = self.train_consumed  # nothing is in flight after a restart
@@ -221,6 +272,9 @@ class Dispatcher:
                          replay=Trajectory(np.asarray(e["token_ids"], np.int32), np.asarray(e["logprobs"], np.float32),
                                            int(e["version"])))
                 for e in state["experience"])
+            self._open = {}  # received and outstanding experience items were saved as queued again
+            for w in self._experience:
+                self._open[w.question_id] = self._open.get(w.question_id, 0) + 1
             self._eval.clear()
             self.outstanding.clear()
             if sampler is not None and state.get("sampler") is not None:

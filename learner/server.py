@@ -261,14 +261,14 @@ class LearnerServer:
         if len(group.completions) != item.n:
             self.counters["wrong_group_size"] += 1
             if item.purpose == "train":
-                self.dispatcher.reissue(item.question_id)
+                self.dispatcher.reissue(item)  # an experience item keeps its replay
             log.warning("work %d came back with %d of %d samples; re-issued", item.work_id, len(group.completions), item.n)
             return
         if item.replay is not None:
             r = group.extra.get("replay_reward")
             if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
                 self.counters["bad_messages"] += 1
-                self.dispatcher.reissue(item.question_id)
+                self.dispatcher.reissue(item)
                 log.warning("experience work %d came back without a valid replay reward; re-issued", item.work_id)
                 return
         self.inbox.put((item, group))

@@ -76,6 +76,81 @@ def test_bucket_frequencies_follow_the_gaussian_weights():
     assert counts[4] > counts[3] > counts[2] > counts[1]  # medium questions replayed most
 
 
+def seven_buckets(n_per_bucket=100, seed=0, K=8):
+    b = ExperienceBuffer(K=K, seed=seed)
+    for k in range(1, K):
+        for i in range(n_per_bucket):
+            b.record(k * 1000 + i, k, [traj(k, i)])
+    return b
+
+
+def test_excluded_questions_leave_the_pools_and_the_draw_stays_gaussian():
+    # bug 3 of the fidelity review: 32 experience questions in flight, mostly medium ones; asking for
+    # more and truncating cut the high-k buckets off. Excluding them first keeps the Gaussian shares.
+    K = 8
+    b = seven_buckets(seed=5, K=K)
+    per_bucket = {1: 1, 2: 3, 3: 8, 4: 10, 5: 7, 6: 2, 7: 1}
+    excluded = {k * 1000 + i for k, m in per_bucket.items() for i in range(m)}
+    assert len(excluded) == 32
+    draws, n = 2000, 32
+    counts = {k: 0 for k in range(1, K)}
+    for _ in range(draws):
+        s = b.sample_questions(n, exclude=excluded)
+        assert len(s) == len(set(s)) == n
+        assert not excluded.intersection(s)
+        for q in s:
+            counts[b.bucket_of(q)] += 1
+    w = bucket_weights(K)
+    total = sum(w.values())  # every bucket keeps questions, so all seven share the normalisation
+    for k in range(1, K):
+        assert abs(counts[k] / (draws * n) - w[k] / total) < 0.03, (k, counts)
+    assert b.bucket_sizes() == {k: 100 for k in range(1, K)}  # the pools themselves are untouched
+
+
+def test_exclusion_renormalises_over_remaining_buckets_and_caps_at_reduced_sizes():
+    b = ExperienceBuffer(K=8, seed=2)
+    for q in range(3):
+        b.record(q, 4, [traj(q)])  # the heavy bucket: all of it excluded
+    for q in range(10, 14):
+        b.record(q, 1, [traj(q)])  # a light bucket: two of four excluded
+    for q in range(20, 23):
+        b.record(q, 6, [traj(q)])
+    ex = [0, 1, 2, 10, 11, 999, 12345]  # ids outside the buffer are ignored
+    for _ in range(50):
+        s = b.sample_questions(3, exclude=ex)
+        assert len(s) == 3 and not set(ex) & set(s)
+    assert sorted(b.sample_questions(100, exclude=ex)) == [12, 13, 20, 21, 22]  # capped at what is left
+    assert b.sample_questions(5, exclude=[0, 1, 2, 10, 11, 12, 13, 20, 21, 22]) == []
+    assert sorted(b.sample_questions(100, weighting="uniform", exclude=set(ex))) == [12, 13, 20, 21, 22]
+    for _ in range(50):
+        s = b.sample_questions(2, weighting="uniform", exclude=ex)
+        assert len(s) == len(set(s)) == 2 and not set(ex) & set(s)
+
+
+def test_uniform_sampling_honours_exclude_and_stays_uniform():
+    b = seven_buckets(n_per_bucket=10, seed=4)
+    ex = {4000 + i for i in range(10)} | {3000 + i for i in range(5)}  # bucket 4 gone, bucket 3 halved
+    seen = {}
+    for _ in range(3000):
+        for q in b.sample_questions(5, weighting="uniform", exclude=ex):
+            seen[q] = seen.get(q, 0) + 1
+    assert not ex & set(seen) and len(seen) == 70 - 15
+    assert max(seen.values()) < 1.5 * min(seen.values())  # 3000*5/55 = 273 picks each on average
+
+
+def test_picks_come_back_in_random_order_not_by_bucket():
+    # sorted-by-bucket output lets any caller that truncates it bias the draw toward low k
+    b = seven_buckets(n_per_bucket=20, seed=6)
+    firsts_not_lowest = unsorted = 0
+    for _ in range(200):
+        ks = [b.bucket_of(q) for q in b.sample_questions(8)]
+        firsts_not_lowest += ks[0] != min(ks)
+        unsorted += ks != sorted(ks)
+    assert firsts_not_lowest > 50 and unsorted > 100
+    ks = [b.bucket_of(q) for q in b.sample_questions(8, weighting="uniform")]
+    assert len(ks) == 8
+
+
 def test_code_and_paper_gaussians_differ_as_documented():
     code = bucket_weights(8)
     z = sum(code.values())

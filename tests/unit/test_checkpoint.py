@@ -149,8 +149,9 @@ def test_dispatcher_requeues_in_flight_work(tmp_path, policy):
     assert [w.purpose for w in more] == ["eval", "eval", "train", "train", "train"] and more[4].replay is None
     d.add_experience([(55, replay)], n=7)  # queued, not yet taken
     received = [d.complete(more[4].work_id)]  # in the loop's inbox when the checkpoint is taken
-    d.reissue(first[4].question_id)
     d.complete(first[4].work_id)
+    d.reissue(first[4])  # its rollouts could not be used
+    assert d.experience_in_flight() == {first[0].question_id, 99, 55}
     path = save(tmp_path, 1, policy, {"dispatcher": d.state_dict(received, sampler)})
     in_flight_train = [first[5].question_id, more[4].question_id]
 
@@ -158,6 +159,7 @@ def test_dispatcher_requeues_in_flight_work(tmp_path, policy):
     d2 = Dispatcher(s2.next, 4, 8, 1.0, 1, s2.exclude)
     d2.load_state_dict(load_checkpoint(path, policy[0])["dispatcher"], s2)
     assert d2.version == 1 and d2.train_dispatched == d2.train_consumed == 4 and not d2.outstanding
+    assert d2.experience_in_flight() == {first[0].question_id, 99, 55}  # open counts rebuilt from the queue
     got = d2.take("c", 1, 100)
     assert len(got) == 2 * 4  # (version + 1 + max_staleness) * B minus the 4 trained: nothing in flight
     # experience: the dispatched ones in dispatch order, then the queued one

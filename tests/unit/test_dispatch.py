@@ -2,6 +2,9 @@
 
 import itertools
 
+import numpy as np
+
+from learner.buffer import Trajectory
 from learner.dispatch import Dispatcher
 
 
@@ -33,7 +36,7 @@ def test_reissued_questions_go_out_first_and_do_not_consume_budget():
     d = make(B=2, eta=0)
     a, b = d.take("a", 0, 10)
     d.complete(a.work_id)
-    d.reissue(a.question_id)
+    d.reissue(a)
     again = d.take("b", 0, 10)
     assert [w.question_id for w in again] == [a.question_id]
 
@@ -101,3 +104,77 @@ def test_seeded_items_depend_on_question_and_version_not_on_actor_or_work_id():
     assert a[3] != seeds([3, 1, 2, 0], 6, "a")[3]  # a new version draws new samples
     unseeded = Dispatcher(iter([1]).__next__, 4, 8, 1.0, 0)
     assert unseeded.take("a", 0, 1)[0].seed is None
+
+
+def replay_traj(*ids):
+    return Trajectory(np.array(ids, np.int32), np.full(len(ids), -0.5, np.float32), version=3)
+
+
+def test_experience_stays_open_until_trained_not_just_until_it_arrives():
+    # bug 6 of the fidelity review: a group received but still in the learner's inbox was forgotten
+    d = make(B=4, eta=0)
+    d.add_experience([(100, replay_traj(1, 2)), (101, replay_traj(3))], n=7)
+    assert d.experience_in_flight() == {100, 101}  # queued
+    got = d.take("a", 0, 2)
+    assert [w.question_id for w in got] == [100, 101]
+    assert d.experience_in_flight() == {100, 101}  # dispatched
+    assert d.complete(got[0].work_id) is got[0] and d.complete(got[1].work_id) is got[1]
+    assert d.experience_in_flight() == {100, 101}  # arrived, waiting in the inbox: still open
+    d.experience_done([100])
+    assert d.experience_in_flight() == {101}
+    d.experience_done([101, 101, 555])  # ids with nothing open are ignored; counts never go negative
+    assert d.experience_in_flight() == set()
+    d.add_experience([(100, replay_traj(1, 2))], n=7)
+    assert d.experience_in_flight() == {100}
+
+
+def test_experience_open_counts_survive_release_and_a_state_roundtrip():
+    d = make(B=4, eta=1)
+    d.add_experience([(100, replay_traj(1)), (101, replay_traj(2)), (102, replay_traj(3))], n=7)
+    got = d.take("a", 0, 3)
+    assert d.release_actor("a") == 3 and d.experience_in_flight() == {100, 101, 102}
+    got = d.take("b", 0, 3)
+    received = [d.complete(got[0].work_id)]  # in the inbox at checkpoint time
+    d.complete(got[1].work_id)
+    d.experience_done([101])  # trained
+    state = d.state_dict(received)
+    d2 = make(B=4, eta=1)
+    d2.load_state_dict(state)
+    assert d2.experience_in_flight() == {100, 102}
+    assert [w.question_id for w in d2.take("c", 0, 10)[:2]] == [100, 102]
+    d2.experience_done([100, 102])
+    assert d2.experience_in_flight() == set()
+
+
+def test_reissued_experience_item_comes_back_with_its_replay():
+    # bug 5 of the fidelity review: a stale-dropped experience item came back as a plain fresh question
+    d = make(B=4, eta=0)
+    t = replay_traj(7, 8, 9)
+    d.add_experience([(100, t)], n=7)
+    (item,) = d.take("a", 0, 1)
+    dispatched = d.train_dispatched
+    d.add_experience([(200, replay_traj(5))], n=7)  # queued behind: the re-issued one goes first
+    assert d.complete(item.work_id) is item
+    d.reissue(item)
+    assert d.train_dispatched == dispatched - 1
+    assert d.experience_in_flight() == {100, 200}  # still open: not trained yet
+    again = d.take("b", 0, 10)
+    assert d.train_dispatched == dispatched - 1 + len(again)  # a round trip costs no admission budget
+    first = again[0]
+    assert (first.question_id, first.n, first.purpose, first.temperature) == (100, 7, "train", 1.0)
+    assert first.replay is not None and first.replay.token_ids.tolist() == [7, 8, 9]
+    assert first.work_id != item.work_id and first.actor_id == "b" and d.outstanding[first.work_id] is first
+    assert again[1].question_id == 200 and all(w.replay is None and w.n == 8 for w in again[2:])
+    assert d.complete(item.work_id) is None  # the old work id is gone
+
+
+def test_reissued_fresh_item_comes_back_fresh_and_admission_is_unchanged():
+    d = make(B=2, eta=0)
+    a, b = d.take("a", 0, 10)
+    assert d.take("a", 0, 10) == [] and d.train_dispatched == 2
+    d.complete(a.work_id)
+    d.reissue(a)
+    assert d.train_dispatched == 1 and d.experience_in_flight() == set()
+    (again,) = d.take("b", 0, 10)
+    assert (again.question_id, again.n, again.replay, again.purpose) == (a.question_id, 8, None, "train")
+    assert d.train_dispatched == 2 and d.take("b", 0, 10) == []
