@@ -46,10 +46,21 @@ class ToyConfig(_Strict):
     """Folder where the warm-started tiny policy and the toy train/test files are cached."""
     seed: int = 0
     """Seed for the toy task's held-out set, training pool and SFT."""
-    sft_seconds: float = Field(150.0, gt=0)
-    """Wall-clock budget of the supervised warm start (only run when the cache has no policy)."""
+    sft_steps: int = Field(600, gt=0)
+    """Optimizer steps of the supervised warm start (only run when the cache has no policy); a step
+    count, not a time budget, so a busy machine builds the same policy, only later (600 steps: about
+    170 s on an idle 2-core machine, held-out greedy accuracy about 0.45)."""
     sft_threads: int = Field(2, gt=0)
     """torch threads for the warm start."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_seconds_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sft_seconds" in data:
+            raise ValueError("toy.sft_seconds was replaced by toy.sft_steps (a fixed number of SFT optimizer "
+                             "steps, so the warm start no longer depends on machine load; the default 600 takes "
+                             "about 170 s on an idle 2-core machine)")
+        return data
 
 
 class DataConfig(_Strict):
@@ -193,7 +204,25 @@ class LearnerConfig(_Strict):
     off_policy_cap: float = Field(2.0, gt=0)
     """C, the truncation or mask threshold of the importance weight pi_prox/pi_behav."""
     drop_zero_advantage: bool = True
-    """Skip sequences whose advantage is 0 in the forward/backward: the gradient is unchanged."""
+    """Skip sequences whose advantage is 0 in the forward/backward: the gradient is unchanged (with
+    `entropy_coef` > 0 they stay, because they add to the entropy bonus)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus, on the policy-gradient term's own scale: loss -= coef * sum of token entropies /
+    (sequences x L_max), the same denominator as the Dr.GRPO term, so `coef` is the weight of one token's
+    entropy relative to one token's policy gradient per unit advantage, whatever the micro-batching.
+    The authors' 0.001 token-mean bonus is about 3e-4 on this scale (docs/exgrpo.md, "Loss scale")."""
+    clip_schedule: Literal["always", "until_start"] = "until_start"
+    """When the PPO clip (`clip_eps`) applies to fresh tokens: "always", or "until_start": until the
+    delayed-start switch fires (batch pass@1 above `exgrpo.start_threshold`; at step 1 with
+    `exgrpo.delayed_start=false`), as the authors do. The switch is tracked with ExGRPO off too, so an
+    on-policy baseline can share the schedule."""
+    max_generated_tokens: int | None = Field(None, gt=0)
+    """Stop after the step at which this many fresh completion tokens have been generated for training
+    (replayed trajectories not counted); None: only `max_steps` ends training. For comparisons at equal
+    work (ops/bench/learning.py)."""
+    eval_every_tokens: int = Field(0, ge=0)
+    """Also evaluate on the held-out file each time another N fresh completion tokens have been generated
+    (0: off); the row records `tokens_generated_total`, so arms compare at equal generated tokens."""
     max_staleness: int = Field(1, ge=0)
     """Rollouts whose policy version is more than this many versions behind the learner are not trained
     on; their questions are re-queued (counted as `stale_dropped`)."""
@@ -244,12 +273,25 @@ class ExGRPOConfig(_Strict):
     """Retire questions solved K/K (out of replay at once, out of the fresh pool at the next epoch)."""
     max_trajectories: int | None = None
     """Cap on stored trajectories (FIFO eviction); None never evicts (the authors')."""
-    clip_after_switch: bool = False
-    """Keep the PPO clip on fresh tokens after the switch (the authors remove it)."""
-    entropy_coef: float = Field(0.001, ge=0)
-    """Entropy bonus (token mean over each micro-batch) while ExGRPO is enabled."""
+    reinject_every: int = Field(0, ge=0)
+    """Paper ablation (Table 7): every N steps put a share `reinject_frac` of the retired questions back
+    (un-retired: collectable and replayable again, and back in the fresh pool from the next epoch). 0: off."""
+    reinject_frac: float = Field(0.1, gt=0, le=1)
+    """Share of the retired questions put back each `reinject_every` steps."""
     selection_batch_sequences: int = Field(64, gt=0)
     """Sequences per no-grad forward when scoring stored trajectories."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if "entropy_coef" in data:
+                raise ValueError("exgrpo.entropy_coef moved to learner.entropy_coef, now on the policy-gradient "
+                                 "term's token-sum scale (the authors' 0.001 token mean is about 3e-4 there)")
+            if "clip_after_switch" in data:
+                raise ValueError("exgrpo.clip_after_switch was replaced by learner.clip_schedule "
+                                 "(\"always\" keeps the clip after the switch, \"until_start\" removes it)")
+        return data
 
 
 def is_loopback(host: str) -> bool:

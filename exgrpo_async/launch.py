@@ -38,7 +38,7 @@ def resolve_toy(cfg: RunConfig) -> RunConfig:
         return cfg
     from exgrpo_async.toy import PROMPT_TEMPLATE, ensure_toy_assets
 
-    paths = ensure_toy_assets(Path(cfg.toy.cache_dir), cfg.toy.seed, cfg.toy.sft_seconds, threads=cfg.toy.sft_threads)
+    paths = ensure_toy_assets(Path(cfg.toy.cache_dir), cfg.toy.seed, cfg.toy.sft_steps, threads=cfg.toy.sft_threads)
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(paths["model"])
     cfg.data.train_files = cfg.data.train_files or [str(paths["train"])]

@@ -73,7 +73,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             figures.append((title, name))
 
     # reward, pass@1 and held-out accuracy
-    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1")}
+    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)}
     if evals:
         series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
     for when, at in (("before", 0), ("after", steps[-1]["step"])):

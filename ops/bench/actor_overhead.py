@@ -167,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     from exgrpo_async.toy import PROMPT_TEMPLATE, ensure_toy_assets
 
-    paths = ensure_toy_assets(Path("/tmp/toycache"), seed=0, sft_seconds=150.0)
+    paths = ensure_toy_assets(Path("/tmp/toycache"), seed=0, sft_steps=600)
     rows = [json.loads(line) for line in paths["train"].read_text().splitlines()[:N_QUESTIONS]]
     prompts = [PROMPT_TEMPLATE.format(problem=r["problem"]) for r in rows]
     core = sorted(os.sched_getaffinity(0))[-1]

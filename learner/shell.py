@@ -1,0 +1,323 @@
+"""The learner's process shell: everything around the maths.
+
+Builds the model, optimizer, data, dispatcher, experience state, weight publisher, server and metrics
+endpoints (restoring them from a checkpoint on `--resume`), and gives the loop in train.py named calls:
+wait for a batch, publish a new version, record a metrics row, evaluate, checkpoint, finish, close.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from exgrpo_async.config import RunConfig
+from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
+from exgrpo_async.logs import log_format
+from exgrpo_async.weight_sync import WeightPublisher
+from learner.checkpoint import latest_valid, load_checkpoint, pack_ragged, save_checkpoint, unpack_ragged
+from learner.dispatch import Dispatcher
+from learner.experience import Experience
+from learner.inbox import Inbox, question_books, run_eval
+from learner.metrics import LearnerMetrics, TargetsFile
+from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
+from learner.server import LearnerServer, actor_idle_share
+from learner.update import Batch
+
+log = logging.getLogger("exgrpo_async.learner")
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the metrics rows up to `last_step` (a resumed run writes the later ones again)."""
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+class Shell:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool):
+        self.cfg, self.run_dir = cfg, run_dir
+        L = cfg.learner
+        self.device = pick_device(L.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(L.threads)
+        torch.manual_seed(L.seed)
+        self.rng = random.Random(L.seed)
+        self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self._load_data()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay)
+        B, K = L.questions_per_step, cfg.rollout.samples_per_question
+        self.dispatcher = Dispatcher(self.sampler.next, B, K, cfg.rollout.temperature, L.max_staleness,
+                                     self.sampler.exclude, sampling_seed=L.seed if cfg.rollout.seeded else None,
+                                     include_questions=self.sampler.include)
+        self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed)
+        self.totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
+                       "verify_errors": 0}
+        self.version, self.opt_updates, self.first_sync_checked, self.start_step = 0, 0, False, 1
+        self.summary: dict = {"before": None, "after": None}
+        self.ckpt_root = run_dir / "checkpoints"
+        self.resumed = self._restore() if resume else False
+        self._start_server()
+        self.metrics_f = open(run_dir / "metrics.jsonl", "a")
+        self._tokens_at_start, self._rollouts_at_start = self.totals["tokens"], self.totals["rollouts"]
+        self._next_eval_tokens = self._after(self.totals["tokens"], L.eval_every_tokens)
+        self._n_syncs = self._n_updates = self._empty_buffer_steps = 0
+        self._busy: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
+        self.t_start = self._t_progress = self._stall_warned = self._progress_logged = time.time()
+
+    # ------------------------------------------------------------------ set-up
+    def _load_data(self) -> None:
+        d, tok = self.cfg.data, self.tokenizer
+        train_pool = load_pool(d.train_files, skip_bad_rows=d.skip_bad_rows)
+        self.eval_pool = load_pool([d.eval_file], skip_bad_rows=d.skip_bad_rows) if d.eval_file else None
+        if train_pool.skipped:
+            log.warning("skipped %d bad training rows (first: %s)", len(train_pool.skipped), train_pool.skipped[0])
+        render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tok)  # noqa: E731
+        self.questions = {"train": train_pool.questions, "eval": self.eval_pool.questions if self.eval_pool else []}
+        self.prompts = {name: [render(q) for q in qs] for name, qs in self.questions.items()}
+        too_long = {i for i, p in enumerate(self.prompts["train"]) if len(tok(p)["input_ids"]) > d.max_prompt_tokens}
+        if too_long:
+            log.warning("skipping %d training questions longer than %d prompt tokens", len(too_long), d.max_prompt_tokens)
+        keep = [i for i in range(len(train_pool.questions)) if i not in too_long]
+        if not keep:
+            raise ValueError("no training question fits data.max_prompt_tokens")
+        self.sampler = QuestionSampler(keep, seed=d.shuffle_seed)
+
+    def _restore(self) -> bool:
+        """Before any actor can connect: the server hands out work from the restored queues."""
+        ckpt = latest_valid(self.ckpt_root)
+        if ckpt is None:
+            log.warning("--resume: no valid checkpoint in %s; starting from the beginning", self.ckpt_root)
+            return False
+        X = self.cfg.exgrpo
+        st = load_checkpoint(ckpt, self.model, self.opt, self.experience.buffer if X.enabled else None, verify=False)
+        self.dispatcher.load_state_dict(st["dispatcher"], self.sampler)
+        self.rng.setstate(st["rng"])
+        self.version, self.opt_updates, self.first_sync_checked = st["version"], st["opt_updates"], st["first_sync_checked"]
+        self.totals.update(st["totals"])
+        self.experience.load_state_dict(st, unpack_ragged(st["prompt_ids_of"]))
+        self.start_step, self.summary["before"] = st["step"] + 1, st.get("eval_before")
+        _truncate_metrics(self.run_dir / "metrics.jsonl", st["step"])  # rows of the lost steps are written again
+        log.info("resumed from %s: step %d, policy version %d", ckpt, st["step"], self.version)
+        return True
+
+    def _start_server(self) -> None:
+        """Version 0 is published first; then the server starts handing out work."""
+        cfg, L = self.cfg, self.cfg.learner
+        backend = cfg.weight_sync.backend if cfg.weight_sync.backend != "auto" else (
+            "nccl" if self.device.type == "cuda" else "gloo")
+        self.publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
+                                         self.device if backend == "nccl" else torch.device("cpu"),
+                                         cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
+        self.publisher.publish(self.version, named_parameters_for_sync(self.model))
+        self.server = server = LearnerServer(cfg, self.dispatcher, self.publisher, backend, self.prompts,
+                                             self.questions, cfg.model_dump_json())
+        self.inbox = Inbox(server)
+        self.prom = None
+        if cfg.metrics.port is not None:
+            self.prom = LearnerMetrics(cfg.metrics.host, cfg.metrics.port, L.max_staleness, exgrpo=cfg.exgrpo.enabled,
+                                       is_weights=L.off_policy_correction != "none")
+            server.on_sync = self.prom.observe_sync
+            self.prom.watch_live(connected=lambda: len(server.actors),
+                                 inbox=lambda: server.inbox.qsize() + len(self.inbox.train),
+                                 in_flight=lambda: len(self.dispatcher.outstanding))
+        server.targets = TargetsFile(self.run_dir, cfg.metrics.sd_dir, self.prom.endpoint.address if self.prom else None)
+        server.start()
+        (self.run_dir / "learner.json").write_text(json.dumps({"address": server.address,
+                                                                "metrics_port": self.prom.port if self.prom else None}))
+        log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, self.publisher.port)
+        if self.prom is not None:
+            log.info("Prometheus metrics on http://%s/metrics; targets in %s", self.prom.endpoint.address,
+                     ", ".join(str(p) for p in server.targets.paths))
+            self.prom.mark_progress()
+
+    # ------------------------------------------------------------------ the loop's calls
+    def wait_for_batch(self, step: int) -> list:
+        """B training groups (in arrival order); groups staler than eta are dropped and re-issued."""
+        L, batch, dropped = self.cfg.learner, [], 0
+        while len(batch) < L.questions_per_step:
+            if not self.inbox.train:
+                self.inbox.pump(0.5)
+                self._warn_if_stalled(len(batch))
+                continue
+            item, group = self.inbox.train.pop(0)
+            if self.version - group.policy_version > L.max_staleness:
+                self.totals["stale_dropped"] += 1
+                dropped += 1
+                self.dispatcher.reissue(item)  # an experience item keeps its replayed trajectory
+                continue
+            batch.append((item, group))
+        if dropped:
+            log.warning("step %d: dropped %d groups staler than eta=%d and re-issued them (ExgrpoStalenessAboveEta)",
+                        step, dropped, L.max_staleness)
+        return batch
+
+    def _warn_if_stalled(self, ready: int) -> None:
+        now, limit = time.time(), self.cfg.metrics.stall_warning_s
+        if now - self._t_progress > limit and now - self._stall_warned > limit:
+            self._stall_warned = now
+            log.warning("no step for %.0f s: %d of %d groups ready, %d actors connected, %d work items out "
+                        "(ExgrpoLearnerStalled)", now - self._t_progress, ready, self.cfg.learner.questions_per_step,
+                        self.server.connected, len(self.dispatcher.outstanding))
+
+    def count_batch(self, b: Batch) -> None:
+        self.totals["rollouts"] += len(b.seqs)
+        self.totals["tokens"] += b.fresh_tokens
+        self.totals["verify_timeouts"] += b.verify_timeouts
+        self.totals["verify_errors"] += b.verify_errors
+
+    def publish_next_version(self, diff_max: float | None) -> float:
+        """Bump the policy version, publish its weights, let the dispatcher admit more work."""
+        self.version += 1
+        t0 = time.time()
+        self.publisher.publish(self.version, named_parameters_for_sync(self.model))
+        seconds = time.time() - t0
+        self.dispatcher.trained(self.cfg.learner.questions_per_step, self.version)
+        if not self.first_sync_checked and diff_max is not None:  # actors' weights all arrived by broadcast
+            log.info("after the first weight sync: max |logp_vllm - logp_learner| = %.3g on version %d",
+                     diff_max, self.version - 1)
+            self.first_sync_checked = True
+        return seconds
+
+    def step_timings(self, t_step: float, t_wait: float, t_train: float, t_pub: float) -> dict:
+        s = self.server
+        syncs, self._n_syncs = s.sync_seconds[self._n_syncs:], len(s.sync_seconds)
+        updates, self._n_updates = s.update_timings[self._n_updates:], len(s.update_timings)
+        busy_before, self._busy = self._busy, dict(s.actor_busy)  # a copy: the server thread writes it
+        now = time.time()
+        return {"sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
+                "step_seconds": now - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
+                "learner_idle_frac": t_wait / max(1e-9, now - t_step),
+                "actor_idle_frac": actor_idle_share(busy_before, self._busy),
+                "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
+                "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
+                "update_stall_max_seconds": max((u["stall"] for u in updates), default=None)}
+
+    def run_counters(self) -> dict:
+        t, s, elapsed = self.totals, self.server, max(1e-9, time.time() - self.t_start)
+        return {"tokens_generated_total": t["tokens"], "stale_dropped_total": t["stale_dropped"],
+                "skipped_steps_total": t["skipped_steps"], "optimizer_updates_total": self.opt_updates,
+                "actors": s.connected, "rollouts_per_s": (t["rollouts"] - self._rollouts_at_start) / elapsed,
+                "tokens_per_s": (t["tokens"] - self._tokens_at_start) / elapsed,
+                "bad_messages_total": s.counters["bad_messages"], "verify_timeouts_total": t["verify_timeouts"],
+                "verify_errors_total": t["verify_errors"]}
+
+    def record(self, row: dict, bar) -> None:
+        """Write the row (metrics.jsonl, Prometheus), warn on an empty buffer, move the progress bar."""
+        self.metrics_f.write(json.dumps(row) + "\n")
+        self.metrics_f.flush()
+        if self.prom is not None:
+            self.prom.observe_step(row, {k: self.server.counters[k] for k in ("hellos", "actors_lost", "work_reissued",
+                                                                            "work_released", "sync_failures")})
+        self._t_progress = time.time()
+        ex = self.experience
+        if ex.mixed and ex.buffer.num_trajectories == 0:
+            self._empty_buffer_steps += 1
+            if self._empty_buffer_steps % self.cfg.metrics.buffer_empty_warning_steps == 0:
+                log.warning("experience buffer empty for %d steps after the delayed start: no partly solved "
+                            "question has been collected (ExgrpoBufferEmpty)", self._empty_buffer_steps)
+        else:
+            self._empty_buffer_steps = 0
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=f"{row['staleness_mean']:.2f}",
+                        tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        bar.update(1)
+        L = self.cfg.learner
+        if log_format() == "json" and (time.time() - self._progress_logged > 30 or row["step"] == L.max_steps):
+            self._progress_logged = time.time()
+            log.info("step %d/%d: reward %.3f, staleness %.2f, %.0f tokens/s", row["step"], L.max_steps,
+                     row["reward_mean"], row["staleness_mean"], row["tokens_per_s"])
+
+    def progress_bar(self):
+        """A terminal gets a live bar; a log file (CI, nohup) one line every 30 s; JSON logs none (a
+        progress record every 30 s instead: a bar is not a JSON line)."""
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.learner.max_steps, initial=self.start_step - 1, desc="RL", unit="step",
+                    dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0,
+                    disable=log_format() == "json")
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate_before(self) -> None:
+        if self.eval_pool and not self.resumed:
+            self.summary["before"] = self._eval(self.version)
+            log.info("held-out before: %s", self.summary["before"])
+        self.t_start = time.time()
+
+    @staticmethod
+    def _after(tokens: int, every: int) -> int | None:
+        return (tokens // every + 1) * every if every else None
+
+    def evaluation_due(self, step: int) -> bool:
+        L = self.cfg.learner
+        if not self.eval_pool or step >= L.max_steps:
+            return False
+        by_tokens = self._next_eval_tokens is not None and self.totals["tokens"] >= self._next_eval_tokens
+        if L.max_generated_tokens is not None and self.totals["tokens"] >= L.max_generated_tokens:
+            return False  # the run ends now and evaluates its final weights anyway
+        return bool(L.eval_every and step % L.eval_every == 0) or by_tokens
+
+    def evaluate_during(self, step: int) -> None:
+        ev = self._eval(self.version)
+        self._next_eval_tokens = self._after(self.totals["tokens"], self.cfg.learner.eval_every_tokens)
+        self.metrics_f.write(json.dumps({"step": step, "policy_version": self.version,
+                                         "tokens_generated_total": self.totals["tokens"], "eval": ev}) + "\n")
+
+    def _eval(self, version: int) -> dict:
+        return run_eval(self.inbox, self.dispatcher, len(self.questions["eval"]), self.cfg, version)
+
+    # ------------------------------------------------------------------ checkpoints and the end
+    def checkpoint(self, step: int) -> None:
+        self.inbox.drain()  # groups already received wait in the inbox; the checkpoint re-queues them
+        ex = self.experience
+        state = {"version": self.version, "opt_updates": self.opt_updates, "totals": self.totals,
+                 "rng": self.rng.getstate(), "first_sync_checked": self.first_sync_checked,
+                 **ex.state_dict(), "prompt_ids_of": pack_ragged(ex.prompt_ids_of),
+                 "dispatcher": self.dispatcher.state_dict([it for it, _ in self.inbox.train], self.sampler),
+                 "eval_before": self.summary["before"]}
+        t0 = time.time()
+        path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.opt, state,
+                               ex.buffer if self.cfg.exgrpo.enabled else None, self.cfg.learner.keep_checkpoints)
+        log.info("checkpoint %s (%.1fs)", path, time.time() - t0)
+
+    def finish(self, last_step: int) -> dict:
+        """Evaluate the final weights, save the model, close the books, write summary.json."""
+        rl_seconds = time.time() - self.t_start
+        if self.eval_pool:
+            self.summary["after"] = self._eval(self.version)
+        save_policy(self.model, self.tokenizer, self.run_dir / "final")
+        s, t = self.server, self.totals
+        s.stop()  # no more dispatch: the books below are final
+        self.summary.update(question_books(self.dispatcher, self.inbox, s))
+        if self.summary["questions_unaccounted"]:
+            log.error("%d training questions were dispatched but neither trained, re-issued nor in flight",
+                      self.summary["questions_unaccounted"])
+        self.summary.update({
+            "steps": last_step, "rl_seconds": rl_seconds, "rollouts": t["rollouts"], "tokens_generated": t["tokens"],
+            "rollouts_per_s": (t["rollouts"] - self._rollouts_at_start) / rl_seconds,
+            "tokens_per_s": (t["tokens"] - self._tokens_at_start) / rl_seconds,
+            "sync_seconds_mean": sum(s.sync_seconds) / max(1, len(s.sync_seconds)),
+            "syncs": len(s.sync_seconds), "stale_dropped": t["stale_dropped"],
+            "update_stall_seconds_mean": (sum(u["stall"] for u in s.update_timings) / len(s.update_timings)
+                                          if s.update_timings else None),
+            "actors_lost": s.counters["actors_lost"], "work_reissued": s.counters["work_reissued"],
+            "work_released": s.counters["work_released"], "rejoin_requests": s.counters["rejoin_requests"],
+            "unknown_work": s.counters["unknown_work"], "actors_joined": s.joined,
+            "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
+            "final_model": str(self.run_dir / "final"),
+        })
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        return self.summary
+
+    def close(self, crashed: bool) -> None:
+        self.metrics_f.close()
+        self.server.stop()
+        if not crashed:  # a crashed learner leaves its targets listed: down targets are what alerts see
+            self.server.targets.close()
+        if self.prom is not None:
+            self.prom.close()

@@ -1,0 +1,212 @@
+"""Learning: named arms (plain GRPO, ExGRPO, its ablations) over seeds, each to the same budget of
+generated tokens, held-out accuracy against generated tokens.
+
+Each arm-seed is a real `exgrpo-async train` on the cached toy policy (2 vLLM actors, seeded sampling,
+learner seed = the seed) that stops once `--tokens` fresh completion tokens have been generated
+(`learner.max_generated_tokens`; replayed trajectories are not generated work) and evaluates the
+held-out set (avg@8 sampled, greedy) at start, every `--eval-every` tokens and at the end. Curves are
+interpolated onto the grid 0, E, 2E, ..., tokens, so arms compare at equal generated tokens.
+
+Per arm: final accuracy and area under the curve (mean accuracy over the grid), mean and spread (std,
+min..max) over seeds; per arm but the first, its difference to the first (paired by seed); the
+learner's compute per step (update + ExGRPO's selection pass, median over steps) and its ratio to the
+first arm's. Writes
+`--out/learning-<scenario>.json` and a plot `.png` (mean line and min..max band per arm).
+
+    .venv/bin/python ops/bench/learning.py --scenario demo --arms grpo,exgrpo --seeds 0,1,2 \
+        [--tokens 600000] [--eval-every 150000] [--out bench_out] [extra dotted overrides...]
+    .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json   # table and plot again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# every arm shares the loss terms and schedule of the demo; only what the arm names differs
+ARMS: dict[str, list[str]] = {
+    "grpo": ["exgrpo.enabled=false"],
+    "exgrpo": ["exgrpo.enabled=true"],
+    "exgrpo_nodelay": ["exgrpo.enabled=true", "exgrpo.delayed_start=false"],
+    "no_question_selection": ["exgrpo.enabled=true", "exgrpo.question_weighting=uniform"],
+    "no_trajectory_selection": ["exgrpo.enabled=true", "exgrpo.selection=random"],
+    "highest_entropy": ["exgrpo.enabled=true", "exgrpo.selection=highest_entropy"],
+    "no_shaping": ["exgrpo.enabled=true", "exgrpo.shaping_beta=none"],
+    "no_is_correction": ["exgrpo.enabled=true", "exgrpo.importance_correction=false"],
+    "rho_0.25": ["exgrpo.enabled=true", "exgrpo.rho=0.25"],
+    "rho_0.75": ["exgrpo.enabled=true", "exgrpo.rho=0.75"],
+    "reinject": ["exgrpo.enabled=true", "exgrpo.reinject_every=25"],
+}
+SCENARIOS: dict[str, list[str]] = {
+    "demo": [],  # the demo's warm start and learning rate: partly solved questions, pass rates over 0..1
+    "weak": ["learner.lr=3e-4"],  # where on-policy GRPO collapses (the paper's Llama case, in spirit)
+    "short_warmstart": ["toy.sft_steps=200"],  # a weaker policy: fewer partly solved questions
+}
+
+
+def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
+    run_root = out / f"{scenario}-{arm}-s{seed}"
+    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
+            f"learner.seed={seed}", "rollout.seeded=true", f"learner.max_generated_tokens={tokens}",
+            f"learner.eval_every_tokens={every}", "learner.max_steps=100000", "learner.checkpoint_every=0",
+            "metrics.port=none", "metrics.actor_port=none", f"output_dir={run_root}", *extra]
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{arm} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    run_dir = max(run_root.iterdir())
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [r for r in rows if "eval" not in r]
+    points = [(0, summary["before"]["accuracy"], summary["before"]["greedy_accuracy"])]
+    points += [(r["tokens_generated_total"], r["eval"]["accuracy"], r["eval"]["greedy_accuracy"]) for r in rows if "eval" in r]
+    points.append((summary["tokens_generated"], summary["after"]["accuracy"], summary["after"]["greedy_accuracy"]))
+    tail = steps[-10:]
+    return {"arm": arm, "seed": seed, "run_dir": str(run_dir), "wall_s": time.time() - t0, "steps": len(steps),
+            "points": points, "step_seconds_median": statistics.median(r["train_seconds"] + (r.get("selection_seconds") or 0.0)
+                                                 for r in steps),
+            "reward_last10": statistics.mean(r["reward_mean"] for r in tail),
+            "experience_questions_total": sum(r.get("experience_questions", 0) for r in steps),
+            "mixed_from_step": next((r["step"] for r in steps if r.get("exgrpo_mixed")), None),
+            "retired_total": steps[-1].get("retired_total"), "replay_top10_share": steps[-1].get("replay_top10_share")}
+
+
+def on_grid(points: list, grid: list[int], col: int) -> list[float]:
+    """Linear interpolation of (tokens, sampled, greedy) points onto `grid` (held flat past the ends)."""
+    xs, ys = [p[0] for p in points], [p[col] for p in points]
+    out = []
+    for g in grid:
+        if g <= xs[0]:
+            out.append(ys[0])
+        elif g >= xs[-1]:
+            out.append(ys[-1])
+        else:
+            j = next(i for i in range(1, len(xs)) if xs[i] >= g)
+            t = (g - xs[j - 1]) / max(1, xs[j] - xs[j - 1])
+            out.append(ys[j - 1] + t * (ys[j] - ys[j - 1]))
+    return out
+
+
+def spread(v: list[float]) -> dict:
+    return {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "min": min(v), "max": max(v),
+            "n": len(v)}
+
+
+def analyse(runs: list[dict], tokens: int, every: int) -> dict:
+    grid = list(range(0, tokens + 1, every))
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    out: dict = {"grid": grid, "arms": {}}
+    for arm in arms:
+        mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        curves = {col: [on_grid(r["points"], grid, i) for r in mine] for i, col in ((1, "sampled"), (2, "greedy"))}
+        out["arms"][arm] = {
+            "seeds": [r["seed"] for r in mine], "curves": curves,
+            **{f"{m}_{col}": spread([c[-1] if m == "final" else statistics.mean(c) for c in curves[col]])
+               for m in ("final", "auc") for col in ("sampled", "greedy")},
+            "start_sampled": spread([c[0] for c in curves["sampled"]]),
+            "step_seconds_median": statistics.median(r["step_seconds_median"] for r in mine),
+            "steps": spread([r["steps"] for r in mine]),
+            "experience_questions_total": spread([r["experience_questions_total"] for r in mine]),
+        }
+    base = arms[0]
+    for arm in arms[1:]:
+        a, b = out["arms"][arm], out["arms"][base]
+        seeds = sorted(set(a["seeds"]) & set(b["seeds"]))
+        for m in ("final", "auc"):
+            for col in ("sampled", "greedy"):
+                pick = lambda x: [x["curves"][col][x["seeds"].index(s)] for s in seeds]  # noqa: E731
+                diffs = [(c[-1] if m == "final" else statistics.mean(c)) - (d[-1] if m == "final" else statistics.mean(d))
+                         for c, d in zip(pick(a), pick(b))]
+                a[f"minus_{base}_{m}_{col}"] = spread(diffs) if diffs else None
+        a["step_time_ratio"] = a["step_seconds_median"] / b["step_seconds_median"]
+    return out
+
+
+def table(res: dict) -> str:
+    f = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}" if s else "-"  # noqa: E731
+    arms = list(res["arms"])
+    lines = ["| arm | seeds | final sampled | final greedy | AUC sampled | " + f"minus {arms[0]}: final sampled | "
+             f"minus {arms[0]}: AUC sampled | learner s/step (ratio) |", "|" + "---|" * 8]
+    for arm, a in res["arms"].items():
+        lines.append(f"| {arm} | {len(a['seeds'])} | {f(a['final_sampled'])} | {f(a['final_greedy'])} | "
+                     f"{f(a['auc_sampled'])} | {f(a.get(f'minus_{arms[0]}_final_sampled'))} | "
+                     f"{f(a.get(f'minus_{arms[0]}_auc_sampled'))} | {a['step_seconds_median']:.2f} "
+                     f"({a.get('step_time_ratio', 1.0):.2f}x) |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for ax, col in zip(axes, ("sampled", "greedy")):
+        for arm, a in res["arms"].items():
+            cs = a["curves"][col]
+            mean = [statistics.mean(v) for v in zip(*cs)]
+            line, = ax.plot(res["grid"], mean, marker="o", ms=3, label=f"{arm} (n={len(cs)})")
+            ax.fill_between(res["grid"], [min(v) for v in zip(*cs)], [max(v) for v in zip(*cs)],
+                            color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("fresh completion tokens generated")
+        ax.set_ylabel(f"held-out accuracy ({'avg@8' if col == 'sampled' else 'greedy'})")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title + " (line: mean over seeds; band: min..max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="demo")
+    ap.add_argument("--arms", default="grpo,exgrpo", help=f"comma list of {', '.join(ARMS)}; the first is the baseline")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--tokens", type=int, default=600_000)
+    ap.add_argument("--eval-every", type=int, default=150_000)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--report", help="re-print the table and plot of a finished JSON")
+    args, extra = ap.parse_known_args()
+    if args.report:
+        doc = json.loads(Path(args.report).read_text())
+        res = analyse(doc["runs"], doc["tokens"], doc["eval_every"])
+        print(table(res))
+        plot(res, Path(args.report).with_suffix(".png"), f"scenario {doc['scenario']}")
+        return 0
+    arms = args.arms.split(",")
+    if unknown := [a for a in arms if a not in ARMS]:
+        ap.error(f"unknown arms {unknown}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"learning-{args.scenario}.json"
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a partial result is paired
+        for arm in arms:
+            r = run_arm(arm, seed, args.scenario, args.tokens, args.eval_every, extra, out)
+            runs.append(r)
+            print(f"{arm} seed {seed}: {r['steps']} steps, {r['wall_s']:.0f}s, sampled "
+                  f"{r['points'][0][1]:.3f} -> {r['points'][-1][1]:.3f}, greedy {r['points'][0][2]:.3f} -> "
+                  f"{r['points'][-1][2]:.3f}", flush=True)
+            doc = {"scenario": args.scenario, "overrides": SCENARIOS[args.scenario] + extra, "tokens": args.tokens,
+                   "eval_every": args.eval_every, "arms": {a: ARMS[a] for a in arms}, "runs": runs}
+            path.write_text(json.dumps(doc, indent=1))
+    res = analyse(runs, args.tokens, args.eval_every)
+    doc["result"] = {k: v for k, v in res.items()}
+    path.write_text(json.dumps(doc, indent=1))
+    print(table(res))
+    plot(res, path.with_suffix(".png"), f"scenario {args.scenario}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""ExGRPO's step-end rules: retire, collect, switch, re-inject, choose (never a question with an open
+experience group), and the replay-health figures."""
+
+import random
+
+import numpy as np
+import torch
+
+from exgrpo_async.config import load_config
+from exgrpo_async.data import QuestionSampler
+from exgrpo_async.rollout import Completion, RolloutGroup
+from learner.buffer import Trajectory
+from learner.dispatch import Dispatcher, WorkItem
+from learner.experience import Experience
+from learner.update import assemble
+
+K, B = 4, 8
+
+
+def _group(qid: int, rewards: list[int], version: int = 0) -> RolloutGroup:
+    comps = [Completion(np.array([5 + j, 2], np.int32), np.array([-0.1, -0.2], np.float32), float(r), "stop", "ok")
+             for j, r in enumerate(rewards)]
+    return RolloutGroup(work_id=qid, question_id=qid, prompt_ids=np.array([1, 7], np.int32), completions=comps,
+                        policy_version=version, actor_id="a", extra={"replay_reward": 1.0})
+
+
+def _setup(*overrides: str):
+    cfg = load_config(None, ["exgrpo.enabled=true", "exgrpo.delayed_start=false", "exgrpo.selection=random",
+                             "exgrpo.pi_past=behaviour", *overrides])
+    sampler = QuestionSampler(range(100), seed=0)
+    disp = Dispatcher(sampler.next, B, K, 1.0, 1, sampler.exclude, include_questions=sampler.include)
+    return cfg, sampler, disp, Experience(cfg.exgrpo, K, B, seed=0)
+
+
+def _end(ex: Experience, disp: Dispatcher, groups, version=1, step=1):
+    batch = assemble(groups, version, collecting=ex.mixed)
+    return ex.end_step(step, batch, {}, version, disp, None, torch.device("cpu"), 0, 1.0, random.Random(0))
+
+
+def test_partly_solved_groups_are_collected_solved_ones_retired_and_replays_chosen():
+    cfg, _, disp, ex = _setup()
+    groups = [(WorkItem(q, q, K, "train", 1.0), _group(q, [1, 0, 0, 0] if q % 2 else [1, 1, 1, 1])) for q in range(8)]
+    row = _end(ex, disp, groups)
+    assert ex.buffer.num_questions == 4 and ex.buffer.retired == {0, 2, 4, 6}
+    assert row["buckets"][1] == 4
+    # rho * B = 4 experience questions were chosen and queued, each with K-1 fresh samples
+    assert disp.experience_queued() == 4 and disp.experience_in_flight() == {1, 3, 5, 7}
+    items = disp.take("a", 0, 8)
+    assert all(it.n == K - 1 and it.replay is not None for it in items[:4])
+
+
+def test_open_experience_is_never_chosen_again_and_queued_items_count_against_rho():
+    cfg, _, disp, ex = _setup()
+    groups = [(WorkItem(q, q, K, "train", 1.0), _group(q, [1, 0, 0, 0])) for q in range(8)]
+    _end(ex, disp, groups)
+    first = disp.experience_in_flight()
+    assert len(first) == 4
+    taken = [it for it in disp.take("a", 0, 8) if it.replay is not None]
+    for it in taken:
+        disp.complete(it.work_id)  # arrived, not yet trained: still open
+    plan_before = set(first)
+    ex._choose(disp, None, torch.device("cpu"), 0, 1.0, random.Random(1))
+    second = disp.experience_in_flight() - plan_before
+    assert second and not (second & plan_before) and len(disp.experience_in_flight()) == 8
+
+
+def test_replay_health_counts_replays_and_ages():
+    cfg, _, disp, ex = _setup()
+    traj = Trajectory(np.array([5, 2], np.int32), np.array([-0.5, -0.1], np.float32), version=2)
+    groups = [(WorkItem(q, q, K - 1, "train", 1.0, replay=traj), _group(q, [0, 0, 1], version=5)) for q in (1, 1, 2)]
+    for q in (1, 1, 2):
+        disp.add_experience([(q, traj)], n=K - 1)
+    for it in disp.take("a", 5, 3):
+        disp.complete(it.work_id)
+    assert disp.experience_in_flight() == {1, 2}  # received, not yet trained
+    row = _end(ex, disp, groups, version=6)
+    assert row["replays_total"] == 3 and row["replay_count_max"] == 2 and row["replayed_questions_total"] == 2
+    assert row["replay_top10_share"] == 1.0 and row["replay_age_mean"] == 4 and row["replay_reward_mean"] == 1.0
+    # the three trained groups were closed: all that is open now is what this step chose and queued
+    assert disp.experience_queued() == len(disp.experience_in_flight()) == 2
+    assert row["experience_questions"] == 3
+
+
+def test_reinjection_puts_a_share_of_retired_questions_back():
+    cfg, sampler, disp, ex = _setup("exgrpo.reinject_every=2", "exgrpo.reinject_frac=0.25")
+    groups = [(WorkItem(q, q, K, "train", 1.0), _group(q, [1, 1, 1, 1])) for q in range(8)]
+    _end(ex, disp, groups, step=1)
+    assert len(ex.buffer.retired) == 8 and ex.reinjected == 0
+    _end(ex, disp, [(WorkItem(9, 9, K, "train", 1.0), _group(9, [0, 0, 0, 0]))], step=2)
+    assert len(ex.buffer.retired) == 6 and ex.reinjected == 2
+    back = set(range(8)) - ex.buffer.retired
+    # back in the fresh pool: the next epoch draws them again
+    for _ in range(100):
+        sampler.next()
+    assert back <= {sampler.next() for _ in range(100)}
+
+
+def test_switch_is_tracked_with_exgrpo_off_for_the_clip_schedule():
+    cfg = load_config(None, ["exgrpo.enabled=false"])
+    sampler = QuestionSampler(range(10), seed=0)
+    disp = Dispatcher(sampler.next, B, K, 1.0, 1)
+    ex = Experience(cfg.exgrpo, K, B, seed=0)
+    assert not ex.started
+    row = _end(ex, disp, [(WorkItem(1, 1, K, "train", 1.0), _group(1, [1, 1, 0, 0]))])
+    assert row == {} and ex.started and not ex.mixed and ex.buffer.num_questions == 0
