@@ -259,8 +259,11 @@ class ExGRPOConfig(_Strict):
     False: active from step 1 (the paper's Llama setting)."""
     start_threshold: float = Field(0.35, ge=0, le=1)
     """Batch pass@1 that switches on collection and replay."""
-    question_weighting: Literal["gaussian", "uniform"] = "gaussian"
-    """Bucket sampler: Gaussian weights over k, or uniform over questions (the "w/o question selection" ablation)."""
+    question_weighting: Literal["gaussian", "gaussian_per_question", "uniform"] = "gaussian"
+    """Question sampler: "gaussian" weights each bucket k by the Gaussian (the authors'; a bucket's share
+    does not depend on its size), "gaussian_per_question" weights each question by its bucket's Gaussian
+    (a bucket's share grows with its size: a handful of medium questions cannot take most of the draws),
+    "uniform" samples questions uniformly (the "w/o question selection" ablation)."""
     sigma: float = Field(1.0, gt=0)
     """Gaussian sigma, in the units of `units`."""
     mu: float | None = None

@@ -151,7 +151,7 @@ class ExperienceBuffer:
                 sizes[k] -= 1
         return sizes
 
-    def sample_questions(self, n: int, weighting: Literal["gaussian", "uniform"] = "gaussian",
+    def sample_questions(self, n: int, weighting: Literal["gaussian", "gaussian_per_question", "uniform"] = "gaussian",
                          mu: float | None = None, sigma: float = 1.0,
                          units: Literal["count", "accuracy"] = "count",
                          exclude: Collection[int] = ()) -> list[int]:
@@ -173,6 +173,8 @@ class ExperienceBuffer:
             return []
         if weighting == "uniform":
             out = self._draw_uniform(n, size, removed, ex)
+        elif weighting == "gaussian_per_question":
+            out = self._draw_per_question(n, ex, mu, sigma, units)
         else:
             out = self._draw_gaussian(n, size, removed, ex, mu, sigma, units)
         self.rng.shuffle(out)
@@ -203,6 +205,18 @@ class ExperienceBuffer:
             if counts[k]:
                 out += self._draw_from(self._buckets[k], counts[k], removed[k], ex)
         return out
+
+    def _draw_per_question(self, n: int, ex: Collection[int], mu: float | None, sigma: float,
+                           units: Literal["count", "accuracy"]) -> list[int]:
+        """n questions without replacement, each with the Gaussian weight of its own bucket: a bucket's
+        share grows with its size (with buckets of equal size this is the bucket sampler). O(pool)."""
+        w = bucket_weights(self.K, mu, sigma, units)
+        qids = [q for qs in self._buckets.values() for q in qs if q not in ex]
+        weights = np.array([w[self._bucket_of[q]] for q in qids], np.float64)
+        n = min(n, int((weights > 0).sum()))
+        pick = np.random.default_rng(self.rng.getrandbits(32)).choice(len(qids), n, replace=False,
+                                                                       p=weights / weights.sum())
+        return [qids[i] for i in pick.tolist()]
 
     def _draw_from(self, pool: list[int], c: int, removed: int, ex: Collection[int]) -> list[int]:
         """c questions uniformly without replacement from `pool` minus the `removed` excluded ones in it:

@@ -37,6 +37,12 @@ from learner.update import Batch, Seq
 log = logging.getLogger("exgrpo_async.learner")
 
 
+def _new_question_reward(batch: Batch) -> float | None:
+    """Mean reward of the fresh completions of groups that are not experience groups (new questions)."""
+    n = len(batch.fresh_rewards) - len(batch.experience_fresh_rewards)
+    return (sum(batch.fresh_rewards) - sum(batch.experience_fresh_rewards)) / n if n else None
+
+
 class Experience:
     def __init__(self, X: ExGRPOConfig, K: int, B: int, seed: int, bf16: bool = False):
         self.X, self.K, self.B, self.bf16 = X, K, B, bf16
@@ -138,6 +144,9 @@ class Experience:
             "experience_questions": len(exp),
             "experience_by_bucket": {b: buckets.count(b) for b in sorted(set(buckets), key=str)},
             "replay_reward_mean": sum(batch.replay_rewards) / len(batch.replay_rewards) if batch.replay_rewards else None,
+            "experience_fresh_reward_mean": (sum(batch.experience_fresh_rewards) / len(batch.experience_fresh_rewards)
+                                             if batch.experience_fresh_rewards else None),
+            "new_question_reward_mean": _new_question_reward(batch),
             "replay_age_mean": sum(ages) / len(ages) if ages else None, "replay_age_max": max(ages, default=None),
             "replayed_questions_total": len(counts), "replays_total": total,
             "replay_count_mean": total / len(counts) if counts else None, "replay_count_max": counts[0] if counts else None,

@@ -55,10 +55,15 @@ _GAUGES = {
     "replay_w_max": ("exgrpo_learner_replay_weight_max", "Largest w on replayed tokens."),
     "replay_token_frac": ("exgrpo_learner_replay_token_fraction", "Share of trained tokens that were replayed."),
     "selection_seconds": ("exgrpo_learner_selection_seconds", "Time to choose the next experience questions."),
+    "replay_reward_mean": ("exgrpo_learner_replay_reward_mean", "Re-verified reward of the latest batch's replayed trajectories."),
+    "replay_age_mean": ("exgrpo_learner_replay_age_mean", "Mean policy versions between a replayed trajectory's generation and its replay."),
+    "replay_count_max": ("exgrpo_learner_replay_count_max", "Most replays of one question so far."),
+    "replay_top10_share": ("exgrpo_learner_replay_top10_share", "Share of all replays that went to the 10 most replayed questions."),
 }
 _EXGRPO_FIELDS = {"buffer_questions", "buffer_trajectories", "buffer_tokens", "buffer_bytes", "retired_total",
                   "exgrpo_mixed", "experience_questions", "selected_entropy_mean", "replay_w_mean", "replay_w_max",
-                  "replay_token_frac", "selection_seconds"}
+                  "replay_token_frac", "selection_seconds", "replay_reward_mean", "replay_age_mean",
+                  "replay_count_max", "replay_top10_share"}
 _IS_FIELDS = {"is_weight_mean", "is_weight_max", "is_truncated_frac"}
 # cumulative metrics.jsonl fields -> counters (incremented by the difference)
 _COUNTERS = {

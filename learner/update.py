@@ -61,8 +61,9 @@ class Group:
 class Batch:
     seqs: list[Seq]
     groups: list[Group]
-    fresh_rewards: list[float]
+    fresh_rewards: list[float]  # every fresh completion
     replay_rewards: list[float]
+    experience_fresh_rewards: list[float]  # the K-1 fresh completions of experience groups (a subset)
     staleness: list[int]
     truncated: int
     fresh_tokens: int
@@ -83,7 +84,7 @@ def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collectin
     """Flatten groups into sequences with their advantages; mark correct ones of partly solved groups
     for collection when `collecting` (ExGRPO's delayed start has fired)."""
     seqs: list[Seq] = []
-    out = Batch(seqs, [], [], [], [], 0, 0, 0, 0)
+    out = Batch(seqs, [], [], [], [], [], 0, 0, 0, 0)
     for gi, (item, g) in enumerate(batch):
         comps = [(c.token_ids, c.logprobs, c.reward, False) for c in g.completions]
         if item.replay is not None:
@@ -99,6 +100,8 @@ def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collectin
             out.fresh_tokens += len(c.token_ids)
         for (ids, lps, reward, replay), a in zip(comps, group_advantages(rewards)):
             (out.replay_rewards if replay else out.fresh_rewards).append(reward)
+            if item.replay is not None and not replay:
+                out.experience_fresh_rewards.append(reward)
             collect = collecting and not replay and reward >= 1.0 and 0 < k < len(comps)
             seqs.append(Seq(g.prompt_ids.tolist(), ids.tolist(), torch.from_numpy(lps.copy()), a,
                             version - g.policy_version, gi, replay, collect))

@@ -15,7 +15,9 @@ first arm's. Writes
 
     .venv/bin/python ops/bench/learning.py --scenario demo --arms grpo,exgrpo --seeds 0,1,2 \
         [--tokens 600000] [--eval-every 150000] [--out bench_out] [extra dotted overrides...]
-    .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json   # table and plot again
+    .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json [more.json ...]
+        # table and plot again; several files (same --tokens and --eval-every) are merged, the first
+        # file's first arm the baseline
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ ARMS: dict[str, list[str]] = {
     "grpo": ["exgrpo.enabled=false"],
     "exgrpo": ["exgrpo.enabled=true"],
     "exgrpo_nodelay": ["exgrpo.enabled=true", "exgrpo.delayed_start=false"],
+    "exgrpo_nodelay_no_shaping": ["exgrpo.enabled=true", "exgrpo.delayed_start=false", "exgrpo.shaping_beta=none"],
+    "exgrpo_per_question": ["exgrpo.enabled=true", "exgrpo.question_weighting=gaussian_per_question"],
     "no_question_selection": ["exgrpo.enabled=true", "exgrpo.question_weighting=uniform"],
     "no_trajectory_selection": ["exgrpo.enabled=true", "exgrpo.selection=random"],
     "highest_entropy": ["exgrpo.enabled=true", "exgrpo.selection=highest_entropy"],
@@ -78,6 +82,27 @@ def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: 
             "retired_total": steps[-1].get("retired_total"), "replay_top10_share": steps[-1].get("replay_top10_share")}
 
 
+def replay_health(run_dir: str, after_step: int = 20) -> dict | None:
+    """From an ExGRPO run's metrics: the share of experience draws from the medium buckets (k = 3..5 of 8)
+    after `after_step`, the questions those buckets offered the sampler, and the replay concentration
+    at the end (None for a run without replay)."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if "eval" not in r and r.get("experience_by_bucket") is not None]
+    late = [r for r in rows if r["step"] > after_step]
+    drawn = sum(sum(r["experience_by_bucket"].values()) for r in late)
+    if not drawn:
+        return None
+    medium = ("3", "4", "5")
+    pools = [sum(r["sampler_pools"].get(k, 0) for k in medium) for r in late if r.get("sampler_pools")]
+    last = rows[-1]
+    return {"medium_draw_share": sum(r["experience_by_bucket"].get(k, 0) for r in late for k in medium) / drawn,
+            "medium_pool_mean": statistics.mean(pools) if pools else None,
+            "buffer_questions_end": last["buffer_questions"], "buckets_end": last["buckets"],
+            "replays_total": last["replays_total"], "replayed_questions_total": last["replayed_questions_total"],
+            "replay_count_max": last["replay_count_max"], "replay_top10_share": last["replay_top10_share"],
+            "replay_age_mean_late": statistics.mean(r["replay_age_mean"] for r in late if r.get("replay_age_mean") is not None)}
+
+
 def on_grid(points: list, grid: list[int], col: int) -> list[float]:
     """Linear interpolation of (tokens, sampled, greedy) points onto `grid` (held flat past the ends)."""
     xs, ys = [p[0] for p in points], [p[col] for p in points]
@@ -114,6 +139,7 @@ def analyse(runs: list[dict], tokens: int, every: int) -> dict:
             "step_seconds_median": statistics.median(r["step_seconds_median"] for r in mine),
             "steps": spread([r["steps"] for r in mine]),
             "experience_questions_total": spread([r["experience_questions_total"] for r in mine]),
+            "replay_health": [h for r in mine if (h := replay_health(r["run_dir"])) is not None],
         }
     base = arms[0]
     for arm in arms[1:]:
@@ -127,6 +153,20 @@ def analyse(runs: list[dict], tokens: int, every: int) -> dict:
                 a[f"minus_{base}_{m}_{col}"] = spread(diffs) if diffs else None
         a["step_time_ratio"] = a["step_seconds_median"] / b["step_seconds_median"]
     return out
+
+
+def health_table(res: dict) -> str:
+    lines = ["| arm | draws from k=3..5 (after step 20) | k=3..5 questions offered | buffer questions (end) | "
+             "replays per replayed question (mean / max) | top-10 share | replay age (versions) |", "|" + "---|" * 7]
+    for arm, a in res["arms"].items():
+        hs = a["replay_health"]
+        if not hs:
+            continue
+        m = lambda key: statistics.mean(h[key] for h in hs)  # noqa: E731
+        lines.append(f"| {arm} | {m('medium_draw_share'):.0%} | {m('medium_pool_mean'):.1f} | "
+                     f"{m('buffer_questions_end'):.0f} | {m('replays_total') / m('replayed_questions_total'):.1f} / "
+                     f"{m('replay_count_max'):.0f} | {m('replay_top10_share'):.0%} | {m('replay_age_mean_late'):.1f} |")
+    return "\n".join(lines)
 
 
 def table(res: dict) -> str:
@@ -147,6 +187,7 @@ def plot(res: dict, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for ax, col in zip(axes, ("sampled", "greedy")):
@@ -156,6 +197,7 @@ def plot(res: dict, path: Path, title: str) -> None:
             line, = ax.plot(res["grid"], mean, marker="o", ms=3, label=f"{arm} (n={len(cs)})")
             ax.fill_between(res["grid"], [min(v) for v in zip(*cs)], [max(v) for v in zip(*cs)],
                             color=line.get_color(), alpha=0.15)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:.0f}k"))
         ax.set_xlabel("fresh completion tokens generated")
         ax.set_ylabel(f"held-out accuracy ({'avg@8' if col == 'sampled' else 'greedy'})")
         ax.grid(alpha=0.3)
@@ -174,20 +216,26 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=600_000)
     ap.add_argument("--eval-every", type=int, default=150_000)
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--report", help="re-print the table and plot of a finished JSON")
+    ap.add_argument("--name", help="output file stem (default learning-<scenario>)")
+    ap.add_argument("--report", nargs="+", help="re-print the table and plot of finished JSONs (merged)")
     args, extra = ap.parse_known_args()
     if args.report:
-        doc = json.loads(Path(args.report).read_text())
-        res = analyse(doc["runs"], doc["tokens"], doc["eval_every"])
+        docs = [json.loads(Path(p).read_text()) for p in args.report]
+        if len({(d["tokens"], d["eval_every"], d["scenario"]) for d in docs}) != 1:
+            ap.error("--report files must share --scenario, --tokens and --eval-every")
+        res = analyse([r for d in docs for r in d["runs"]], docs[0]["tokens"], docs[0]["eval_every"])
         print(table(res))
-        plot(res, Path(args.report).with_suffix(".png"), f"scenario {doc['scenario']}")
+        print(health_table(res))
+        png = Path(args.report[0]).with_suffix(".png") if len(docs) == 1 else Path(args.out) / f"{args.name or 'merged'}.png"
+        plot(res, png, f"scenario {docs[0]['scenario']}")
+        print(f"wrote {png}")
         return 0
     arms = args.arms.split(",")
     if unknown := [a for a in arms if a not in ARMS]:
         ap.error(f"unknown arms {unknown}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"learning-{args.scenario}.json"
+    path = out / f"{args.name or 'learning-' + args.scenario}.json"
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a partial result is paired
         for arm in arms:
@@ -203,6 +251,7 @@ def main() -> int:
     doc["result"] = {k: v for k, v in res.items()}
     path.write_text(json.dumps(doc, indent=1))
     print(table(res))
+    print(health_table(res))
     plot(res, path.with_suffix(".png"), f"scenario {args.scenario}")
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0

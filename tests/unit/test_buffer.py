@@ -212,3 +212,28 @@ def test_the_documented_example_runs():
 
     result = doctest.testmod(learner.buffer)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_per_question_gaussian_shares_grow_with_bucket_size():
+    import math
+
+    buf = ExperienceBuffer(K=8, seed=3)
+    sizes = {1: 200, 2: 100, 3: 4, 4: 4, 5: 4, 6: 100, 7: 200}
+    q = 0
+    for k, n in sizes.items():
+        for _ in range(n):
+            buf.record(q, k, [Trajectory(np.array([q, 2], np.int32), np.array([-0.1, -0.1], np.float32), 0)])
+            q += 1
+    w = {k: math.exp(-0.5 * (k - 4) ** 2) * n for k, n in sizes.items()}
+    expect = {k: v / sum(w.values()) for k, v in w.items()}
+    got = {k: 0 for k in sizes}
+    draws = 1500
+    for _ in range(draws):
+        picks = buf.sample_questions(4, "gaussian_per_question")
+        assert len(set(picks)) == 4
+        for p in picks:
+            got[buf.bucket_of(p)] += 1
+    for k in sizes:  # small draws barely deplete the pools: shares follow size x weight
+        assert abs(got[k] / (4 * draws) - expect[k]) < 0.03, (k, got[k] / (4 * draws), expect[k])
+    # the bucket sampler would give the 12 medium questions about 88% of the draws
+    assert sum(got[k] for k in (3, 4, 5)) / (4 * draws) < 0.35

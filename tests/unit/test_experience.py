@@ -43,6 +43,7 @@ def test_partly_solved_groups_are_collected_solved_ones_retired_and_replays_chos
     row = _end(ex, disp, groups)
     assert ex.buffer.num_questions == 4 and ex.buffer.retired == {0, 2, 4, 6}
     assert row["buckets"][1] == 4
+    assert row["experience_fresh_reward_mean"] is None and row["new_question_reward_mean"] == 0.625
     # rho * B = 4 experience questions were chosen and queued, each with K-1 fresh samples
     assert disp.experience_queued() == 4 and disp.experience_in_flight() == {1, 3, 5, 7}
     items = disp.take("a", 0, 8)
@@ -79,6 +80,7 @@ def test_replay_health_counts_replays_and_ages():
     # the three trained groups were closed: all that is open now is what this step chose and queued
     assert disp.experience_queued() == len(disp.experience_in_flight()) == 2
     assert row["experience_questions"] == 3
+    assert row["experience_fresh_reward_mean"] == 1 / 3 and row["new_question_reward_mean"] is None
 
 
 def test_reinjection_puts_a_share_of_retired_questions_back():
