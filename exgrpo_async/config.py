@@ -36,7 +36,9 @@ class ModelConfig(_Strict):
     """Hugging Face model folder (local path or hub id), or "toy" for the built-in tiny policy the CPU
     demo builds and caches (see `toy`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for the learner and for vLLM. fp32 on CPU; bf16 on GPU."""
+    """Parameter dtype of the actors (vLLM), of the weights they are sent and of the exported final model.
+    The learner always keeps fp32 master weights and optimizer state (`learner.mixed_precision` sets
+    its compute dtype). fp32 on CPU; bf16 on GPU."""
     max_model_len: int = Field(256, gt=0)
     """Longest prompt + response, in tokens, that vLLM must support."""
 
@@ -171,6 +173,13 @@ class LearnerConfig(_Strict):
     """Where the learner trains; "auto" picks cuda when available. Also picks the weight-sync backend."""
     threads: int = Field(1, gt=0)
     """torch threads of the learner on CPU (the actors use the other cores)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (transformers' gradient checkpointing, non-reentrant): activation memory per layer boundary only."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """Compute dtype of the learner's forward passes: "bf16" runs them under bf16 autocast while the
+    master weights, gradients and AdamW state stay fp32 (the authors' set-up); "none" computes in fp32.
+    Log-probs and entropies are always reduced in fp32."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(200, gt=0)

@@ -81,8 +81,9 @@ def _group(name: str) -> str:
     return name.rsplit(".", 2)[0]
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Meta:
-    """Group parameters into same-dtype buckets of about `bucket_bytes` (a big tensor gets its own).
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None) -> Meta:
+    """Group parameters into same-dtype buckets of about `bucket_bytes` (a big tensor gets its own);
+    with `dtype`, every parameter travels as that dtype (fp32 master weights sent to bf16 actors).
 
     Within each block (parameters sharing the prefix before their module's name) the matrices come
     first, in model order, and a block that fits in a bucket is never split across two. So the
@@ -97,20 +98,24 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Me
     cur_bytes, cur_dtype = 0, None
     for block in blocks.values():
         block = [x for x in block if x[1].dim() >= 2] + [x for x in block if x[1].dim() < 2]
-        if cur and cur_bytes + sum(t.numel() * t.element_size() for _, t in block) > bucket_bytes:
+        if cur and cur_bytes + sum(t.numel() * _itemsize(t, dtype) for _, t in block) > bucket_bytes:
             buckets.append(cur)  # the whole block would not fit: start it in a fresh bucket
             cur, cur_bytes = [], 0
         for name, t in block:
-            dtype = str(t.dtype).removeprefix("torch.")
-            size = t.numel() * t.element_size()
-            if cur and (dtype != cur_dtype or cur_bytes + size > bucket_bytes):
+            name_dtype = str(dtype or t.dtype).removeprefix("torch.")
+            size = t.numel() * _itemsize(t, dtype)
+            if cur and (name_dtype != cur_dtype or cur_bytes + size > bucket_bytes):
                 buckets.append(cur)
                 cur, cur_bytes = [], 0
-            cur.append((name, dtype, list(t.shape)))
-            cur_bytes, cur_dtype = cur_bytes + size, dtype
+            cur.append((name, name_dtype, list(t.shape)))
+            cur_bytes, cur_dtype = cur_bytes + size, name_dtype
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def _itemsize(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return (dtype or t.dtype).itemsize
 
 
 class WeightPublisher:
@@ -137,9 +142,10 @@ class WeightPublisher:
         self._users: list[int] = []  # sync jobs holding each set
         self._current = -1
 
-    def publish(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Pack the given parameters (HF names) into flat buckets on the sync device; becomes `version`."""
-        meta = plan_buckets(named, self.bucket_bytes)
+    def publish(self, version: int, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
+        """Pack the given parameters (HF names) into flat buckets on the sync device, cast to `dtype` (the
+        actors') if given, a bucket at a time; becomes `version`."""
+        meta = plan_buckets(named, self.bucket_bytes, dtype)
         by_name = dict(named)
         with self._lock:
             if meta != self.meta:  # first publish, or the model changed shape: start over

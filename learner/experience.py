@@ -44,8 +44,8 @@ def _new_question_reward(batch: Batch) -> float | None:
 
 
 class Experience:
-    def __init__(self, X: ExGRPOConfig, K: int, B: int, seed: int):
-        self.X, self.K, self.B = X, K, B
+    def __init__(self, X: ExGRPOConfig, K: int, B: int, seed: int, bf16: bool = False):
+        self.X, self.K, self.B, self.bf16 = X, K, B, bf16
         self.buffer = ExperienceBuffer(K, X.max_trajectories, seed=seed)
         self.started = not X.delayed_start  # the delayed-start switch (one-way)
         self.prompt_ids_of: dict[int, list[int]] = {}  # question id -> prompt token ids, for replay scoring
@@ -122,7 +122,7 @@ class Experience:
             return [], pools
         plan = select_replays(model, [(q, self.prompt_ids_of[q], self.buffer.trajectories(q)) for q in chosen],
                               X.selection, X.selection_metric, temperature, device, X.selection_batch_sequences,
-                              pad_id, rng)
+                              pad_id, rng, self.bf16)
         self.bucket_at_selection.update({q: self.buffer.bucket_of(q) for q in chosen})
         dispatcher.add_experience([(q, t) for q, t, _ in plan], n=self.K - 1)
         return plan, pools

@@ -20,6 +20,7 @@ sections 5 and 6):
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards: list[float]) -> list[float]:
@@ -48,18 +49,53 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, with_entropy: bool = False):
+                   temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024,
+                   bf16: bool = False):
     """(N, L-1) log-prob of each next token under `model` (logits divided by the sampling temperature);
-    with `with_entropy`, also the (N, L-1) entropy of each full next-token distribution."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    with `with_entropy`, also the (N, L-1) entropy of each full next-token distribution.
+
+    Memory scales with tokens, not vocabulary x tokens: the decoder's hidden states go through the output
+    head `chunk_tokens` positions at a time, each chunk's fp32 logits are reduced to a log-prob and an
+    entropy at once, and under autograd each chunk is checkpointed (its logits are recomputed in the
+    backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
+    `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the
+    forward runs under bf16 autocast (mixed precision; the reductions stay fp32)."""
+    if bf16:
+        with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
+            return token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
+    targets = input_ids[:, 1:]
+    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
+                                      with_entropy=with_entropy)
+        return (logp, entropy) if with_entropy else logp
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+    n, t, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(n * t, h), targets.reshape(n * t)
+    grad = torch.is_grad_enabled() and flat_h.requires_grad
+    logps, ents = [], []
+    for a in range(0, n * t, chunk_tokens):
+        args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature, with_entropy)
+        lp, en = checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args)
+        logps.append(lp)
+        ents.append(en)
+    logp = torch.cat(logps).view(n, t)
+    return (logp, torch.cat(ents).view(n, t)) if with_entropy else logp
+
+
+def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Tensor | None, head_bias, temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy (zeros unless `with_entropy`) of the fp32 logits of `x` (hidden
+    states through the head, or logits already when `head_weight` is None), at `temperature`."""
+    logits = (x if head_weight is None else torch.nn.functional.linear(x, head_weight, head_bias)).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
-        return logp
-    probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(-1)  # H = logsumexp(z) - sum p z
+        return logp, torch.zeros_like(logp)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp(z) - sum p z
     return logp, entropy
 
 

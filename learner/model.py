@@ -1,7 +1,9 @@
-"""Learner-side policy: load a Hugging Face causal LM and its tokenizer, save the final model.
+"""Learner-side policy: load a Hugging Face causal LM and its tokenizer, its compute context, save it.
 
-The learner trains in fp32 on CPU and in the configured dtype on GPU. Parameters are published to
-actors under their Hugging Face names, which vLLM's `load_weights` maps onto its fused layers itself.
+The learner keeps fp32 master weights (AdamW at lr 1e-6 rounds away on bf16 weights) and computes in
+bf16 under autocast when `learner.mixed_precision="bf16"`. Parameters are published to actors under
+their Hugging Face names (cast to the actors' `model.dtype`), which vLLM's `load_weights` maps onto its
+fused layers itself; the final model is exported in `model.dtype`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ def named_parameters_for_sync(model: torch.nn.Module) -> list[tuple[str, torch.T
     return [(n, p) for n, p in model.named_parameters()]
 
 
-def save_policy(model, tokenizer, out_dir: Path) -> None:
+def save_policy(model, tokenizer, out_dir: Path, dtype: str | None = None) -> None:
+    """A Hugging Face folder; with `dtype` the weights are written in it (the master weights stay fp32)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
+    if dtype is None or getattr(torch, dtype) == next(model.parameters()).dtype:
+        model.save_pretrained(str(out_dir))
+    else:
+        cast = {k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items()}
+        model.save_pretrained(str(out_dir), state_dict=cast)
+        cfg = type(model.config).from_pretrained(str(out_dir))
+        cfg.torch_dtype = dtype
+        cfg.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

@@ -23,14 +23,15 @@ Selection = Literal["lowest_entropy", "highest_entropy", "random"]
 
 @torch.no_grad()
 def score_trajectories(model: torch.nn.Module, prompts: list[list[int]], trajs: list[Trajectory], metric: str,
-                       temperature: float, device: torch.device, batch_sequences: int, pad_id: int) -> list[float]:
+                       temperature: float, device: torch.device, batch_sequences: int, pad_id: int,
+                       bf16: bool = False) -> list[float]:
     """Mean per-token entropy (or NLL) of each trajectory given its prompt, in one pass per batch."""
     scores: list[float] = []
     for i in range(0, len(trajs), batch_sequences):
         p_chunk, t_chunk = prompts[i:i + batch_sequences], trajs[i:i + batch_sequences]
         packed = pack_sequences(p_chunk, [t.token_ids.tolist() for t in t_chunk], pad_id)
         logp, ent = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                                   temperature, with_entropy=True)
+                                   temperature, with_entropy=True, bf16=bf16)
         mask = packed["target_mask"].to(device).float()
         per_tok = ent if metric == "entropy" else -logp
         scores += ((per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
@@ -46,7 +47,7 @@ def choose(scores: list[float], mode: Selection, rng: random.Random) -> int:
 
 def select_replays(model: torch.nn.Module, questions: list[tuple[int, list[int], list[Trajectory]]], mode: Selection,
                    metric: str, temperature: float, device: torch.device, batch_sequences: int, pad_id: int,
-                   rng: random.Random) -> list[tuple[int, Trajectory, float]]:
+                   rng: random.Random, bf16: bool = False) -> list[tuple[int, Trajectory, float]]:
     """For each (qid, prompt ids, stored trajectories): the chosen trajectory and its score."""
     flat_prompts, flat_trajs, owner = [], [], []
     for qi, (_, prompt, trajs) in enumerate(questions):
@@ -57,7 +58,8 @@ def select_replays(model: torch.nn.Module, questions: list[tuple[int, list[int],
     if mode == "random":  # the ablation needs no forward pass at all
         scores = [0.0] * len(flat_trajs)
     else:
-        scores = score_trajectories(model, flat_prompts, flat_trajs, metric, temperature, device, batch_sequences, pad_id)
+        scores = score_trajectories(model, flat_prompts, flat_trajs, metric, temperature, device, batch_sequences, pad_id,
+                                    bf16)
     out = []
     for qi, (qid, _, trajs) in enumerate(questions):
         idx = [j for j, o in enumerate(owner) if o == qi]

@@ -48,7 +48,10 @@ class Shell:
             torch.set_num_threads(L.threads)
         torch.manual_seed(L.seed)
         self.rng = random.Random(L.seed)
-        self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
+        self.model, self.tokenizer = load_policy(cfg.model.path, "float32", self.device)  # fp32 master weights
+        self.sync_dtype = getattr(torch, cfg.model.dtype)  # what the actors run
+        if L.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._load_data()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay)
@@ -56,7 +59,7 @@ class Shell:
         self.dispatcher = Dispatcher(self.sampler.next, B, K, cfg.rollout.temperature, L.max_staleness,
                                      self.sampler.exclude, sampling_seed=L.seed if cfg.rollout.seeded else None,
                                      include_questions=self.sampler.include)
-        self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed)
+        self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed, bf16=L.mixed_precision == "bf16")
         self.totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
                        "verify_errors": 0}
         self.version, self.opt_updates, self.first_sync_checked, self.start_step = 0, 0, False, 1
@@ -115,7 +118,7 @@ class Shell:
         self.publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
                                          self.device if backend == "nccl" else torch.device("cpu"),
                                          cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
-        self.publisher.publish(self.version, named_parameters_for_sync(self.model))
+        self.publisher.publish(self.version, named_parameters_for_sync(self.model), self.sync_dtype)
         self.server = server = LearnerServer(cfg, self.dispatcher, self.publisher, backend, self.prompts,
                                              self.questions, cfg.model_dump_json())
         self.inbox = Inbox(server)
@@ -176,7 +179,7 @@ class Shell:
         """Bump the policy version, publish its weights, let the dispatcher admit more work."""
         self.version += 1
         t0 = time.time()
-        self.publisher.publish(self.version, named_parameters_for_sync(self.model))
+        self.publisher.publish(self.version, named_parameters_for_sync(self.model), self.sync_dtype)
         seconds = time.time() - t0
         self.dispatcher.trained(self.cfg.learner.questions_per_step, self.version)
         if not self.first_sync_checked and diff_max is not None:  # actors' weights all arrived by broadcast
@@ -290,7 +293,7 @@ class Shell:
         rl_seconds = time.time() - self.t_start
         if self.eval_pool:
             self.summary["after"] = self._eval(self.version)
-        save_policy(self.model, self.tokenizer, self.run_dir / "final")
+        save_policy(self.model, self.tokenizer, self.run_dir / "final", self.cfg.model.dtype)
         s, t = self.server, self.totals
         s.stop()  # no more dispatch: the books below are final
         self.summary.update(question_books(self.dispatcher, self.inbox, s))

@@ -109,13 +109,15 @@ def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collectin
 
 
 @torch.no_grad()
-def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, batch: int, temperature: float) -> dict:
+def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, batch: int, temperature: float,
+                    bf16: bool = False) -> dict:
     """Per-completion log-probs under the model as it is now (before the step's first update)."""
     out = {}
     for j in range(0, len(seqs), batch):
         chunk = seqs[j:j + batch]
         packed = pack_sequences([s.prompt for s in chunk], [s.completion for s in chunk], pad_id)
-        logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device), temperature)
+        logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device), temperature,
+                              bf16=bf16)
         for r, key in enumerate(keys[j:j + batch]):
             out[key] = logp[r][packed["target_mask"][r].to(device)].float().cpu()
     return out
@@ -151,7 +153,7 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
     correcting = L.off_policy_correction != "none"
     late = _late(seqs, mb_groups, correcting, X.pi_past)
     pre_logp = recompute_logps(model, [seqs[i] for i in late], late, pad_id, device, L.micro_batch_sequences,
-                               cfg.rollout.temperature) if late else {}
+                               cfg.rollout.temperature, L.mixed_precision == "bf16") if late else {}
     for mb in range(L.minibatches_per_step):
         mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
@@ -183,7 +185,7 @@ def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict,
     mask = packed["target_mask"].to(device)
     with_entropy = L.entropy_coef > 0
     out = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                         cfg.rollout.temperature, with_entropy=with_entropy)
+                         cfg.rollout.temperature, with_entropy=with_entropy, bf16=L.mixed_precision == "bf16")
     logp, entropy = out if with_entropy else (out, None)
     behav = scatter_completion([s.logprobs for s in micro], packed["target_mask"]).to(device)
     replay_rows = torch.tensor([s.replay for s in micro], device=device)

@@ -226,3 +226,19 @@ def test_work_ids_never_collide_across_restarts():
     d2 = Dispatcher(itertools.count().__next__, 4, 8, 1.0, 1)
     d2.load_state_dict(state)
     assert min(w.work_id for w in d2.take("b", 0, 8)) > max(w.work_id for w in old) + 10**9
+
+
+def test_final_export_is_written_in_the_actors_dtype_from_fp32_master_weights(tiny_tied, tmp_path):
+    from safetensors.torch import load_file
+
+    from learner.model import save_policy
+
+    model, tok = load_policy(str(tiny_tied), "float32", torch.device("cpu"))
+    save_policy(model, tok, tmp_path / "final", "bfloat16")
+    tensors = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert next(model.parameters()).dtype == torch.float32  # the master weights are untouched
+    again, _ = load_policy(str(tmp_path / "final"), "bfloat16", torch.device("cpu"))
+    ref = dict(model.named_parameters())
+    for n, p in again.named_parameters():
+        torch.testing.assert_close(p.float(), ref[n].detach().to(torch.bfloat16).float())

@@ -132,3 +132,38 @@ def test_minibatches_draw_groups_at_random_not_in_dispatch_order():
                   for _ in range(400)]
     assert abs(sum(first_half) / len(first_half) - 4.0) < 0.3  # 8 of 16 spread evenly: 4 expected
     assert minibatch_order(batch, random.Random(5)) == minibatch_order(list(reversed(batch)), random.Random(5))
+
+
+def _moved_fraction(model_dtype: torch.dtype, mixed_precision: str) -> float:
+    seqs = _seqs(replay=False)
+    torch.manual_seed(0)
+    model = build_model(0).to(model_dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    cfg = _cfg(mixed_precision=mixed_precision, lr=1e-6)
+    update_policy(model, opt, seqs, 4, cfg, StepSettings(clip=0.2), torch.device("cpu"), 0, 0)
+    moved = sum(int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before))
+    touched = sum(int((p.grad != 0).sum()) for p in model.parameters() if p.grad is not None)
+    return moved / touched
+
+
+def test_fp32_master_weights_move_at_lr_1e6_with_bf16_compute():
+    assert _moved_fraction(torch.float32, "bf16") >= 0.99
+    # bf16 master weights (the old GPU path): most AdamW steps of ~1e-6 round away
+    assert _moved_fraction(torch.bfloat16, "none") < 0.5
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    seqs = _seqs()
+    cfg = _cfg(micro_batch_sequences=5)
+    ref, ref_grads, _ = _run(cfg, seqs, 4)
+    torch.manual_seed(0)
+    model = build_model(0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert model.model.gradient_checkpointing
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    res = update_policy(model, opt, seqs, 4, cfg, StepSettings(clip=0.2), torch.device("cpu"), 0, 0)
+    assert res.losses[0] == pytest.approx(ref.losses[0], rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-7)

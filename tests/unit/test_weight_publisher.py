@@ -46,3 +46,13 @@ def test_plan_buckets_keeps_fused_projections_back_to_back():
                         "0.self_attn.k_proj.bias", "0.self_attn.v_proj.bias"]
     assert [n.split(".")[0] for n in names[1]] == ["1"] * 7  # block 1 starts a bucket rather than splitting
     assert sorted(n for b in meta for n, _, _ in b) == sorted(n for n, _ in named)
+
+
+def test_publish_casts_fp32_master_weights_to_the_actors_dtype():
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=5)
+    named = [("model.layers.0.mlp.up_proj.weight", torch.full((4, 3), 1.0 + 2**-12)),
+             ("model.layers.0.mlp.up_proj.bias", torch.full((4,), -0.5))]
+    pub.publish(1, named, torch.bfloat16)
+    version, meta, flat = pub.snapshot()
+    assert {d for b in meta for _, d, _ in b} == {"bfloat16"} and all(t.dtype == torch.bfloat16 for t in flat)
+    assert flat[0][:12].float().tolist() == [1.0] * 12  # 1 + 2**-12 rounds to 1 in bf16
