@@ -145,11 +145,16 @@ class ExperienceBuffer:
     def bucket_sizes(self, exclude: Collection[int] = ()) -> dict[int, int]:
         """Eligible questions per bucket (retired ones are never in a bucket), less those in `exclude`:
         the pools `sample_questions(..., exclude=exclude)` draws from."""
-        sizes = {k: len(qs) for k, qs in self._buckets.items()}
+        removed = self._removed(exclude)
+        return {k: len(qs) - removed[k] for k, qs in self._buckets.items()}
+
+    def _removed(self, exclude: Collection[int]) -> dict[int, int]:
+        """Questions of `exclude` per bucket (ids in no bucket are ignored)."""
+        removed = {k: 0 for k in self._buckets}
         for q in exclude:
             if (k := self._bucket_of.get(q)) is not None:
-                sizes[k] -= 1
-        return sizes
+                removed[k] += 1
+        return removed
 
     def sample_questions(self, n: int, weighting: Literal["gaussian", "gaussian_per_question", "uniform"] = "gaussian",
                          mu: float | None = None, sigma: float = 1.0,
@@ -163,11 +168,7 @@ class ExperienceBuffer:
         if n <= 0:
             return []
         ex = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
-        removed = {k: 0 for k in self._buckets}  # excluded questions per bucket
-        for q in ex:
-            k = self._bucket_of.get(q)
-            if k is not None:
-                removed[k] += 1
+        removed = self._removed(ex)  # excluded questions per bucket
         size = {k: len(qs) - removed[k] for k, qs in self._buckets.items() if len(qs) > removed[k]}
         if not size:
             return []

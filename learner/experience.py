@@ -20,6 +20,7 @@ sampler's pools hold) is measured here too, for the metrics row.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
@@ -133,8 +134,8 @@ class Experience:
         exp = [g for g in batch.groups if g.replay is not None]
         buckets = [self.bucket_at_selection.get(g.question_id) for g in exp]
         ages = [version - g.replay.version for g in exp]
-        counts = sorted(self.replays.values(), reverse=True)
-        total = sum(counts)
+        counts = heapq.nlargest(10, self.replays.values())  # not a full sort of every replayed question per step
+        total = sum(self.replays.values())
         return {
             "exgrpo_mixed": self.mixed, "exgrpo_collecting": collecting,
             "buffer_questions": self.buffer.num_questions, "buffer_trajectories": self.buffer.num_trajectories,
@@ -148,8 +149,8 @@ class Experience:
                                              if batch.experience_fresh_rewards else None),
             "new_question_reward_mean": _new_question_reward(batch),
             "replay_age_mean": sum(ages) / len(ages) if ages else None, "replay_age_max": max(ages, default=None),
-            "replayed_questions_total": len(counts), "replays_total": total,
-            "replay_count_mean": total / len(counts) if counts else None, "replay_count_max": counts[0] if counts else None,
+            "replayed_questions_total": len(self.replays), "replays_total": total,
+            "replay_count_mean": total / len(self.replays) if self.replays else None, "replay_count_max": counts[0] if counts else None,
             "replay_top10_share": sum(counts[:10]) / total if total else None,
             "selected_entropy_mean": sum(sc for _, _, sc in plan) / len(plan) if plan else None,
             "selection_seconds": selection_s,
