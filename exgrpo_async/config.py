@@ -172,7 +172,15 @@ class LearnerConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner trains; "auto" picks cuda when available. Also picks the weight-sync backend."""
     threads: int = Field(1, gt=0)
-    """torch threads of the learner on CPU (the actors use the other cores)."""
+    """torch threads of the learner on CPU (the actors use the other cores), per learner rank."""
+    world_size: int = Field(1, gt=0)
+    """Learner ranks training one step together, the model sharded over them with FSDP2 (one per GPU;
+    gloo processes on CPU). `train` starts them on this machine; under `torchrun` (`exgrpo-async
+    learner`, any number of nodes) it must equal torchrun's WORLD_SIZE. Rank 0 keeps the server,
+    dispatcher and experience buffer; the batch is split over the ranks by tokens."""
+    rank_timeout_s: float = Field(3600.0, gt=0)
+    """How long a learner rank waits in any collective, including a follower waiting for rank 0's
+    next operation (rank 0 may wait that long for actors, e.g. during an evaluation)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (transformers' gradient checkpointing, non-reentrant): activation memory per layer boundary only."""

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,6 +78,18 @@ def _spawn(args: list[str], env: dict, cores: set[int] | None = None) -> subproc
     return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=setup)
 
 
+def learner_rank_envs(env: dict, world_size: int) -> list[dict]:
+    """The environment of each learner rank on this machine, as torchrun would set it (a free port on
+    127.0.0.1 for the rendezvous); world size 1 gets none of it."""
+    if world_size == 1:
+        return [env]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(world_size)]
+
+
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     cfg = resolve_toy(cfg)
     run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg.output_dir)
@@ -86,6 +99,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
     children: list[subprocess.Popen] = []
+    ranks: list[subprocess.Popen] = []  # the learner's ranks; ranks[0] (the lead) is also children[0]
     stopping = False
 
     def shutdown(*_):
@@ -96,9 +110,12 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     try:
         (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
         spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores)
-        learner = _spawn(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
-                          *(["--resume"] if resume_dir else [])],
-                         dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)), spare)
+        learner_args = ["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
+                        *(["--resume"] if resume_dir else [])]
+        ranks = [_spawn(learner_args, rank_env, spare)
+                 for rank_env in learner_rank_envs(dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)),
+                                                   cfg.learner.world_size)]
+        learner = ranks[0]
         children.append(learner)
         while not (run_dir / "learner.json").exists():
             if learner.poll() is not None or stopping:
@@ -123,13 +140,16 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                     log.warning("actor %d exited with code %s; restarting it (%d/%d)", i + 1, c.returncode,
                                 restarts[i], cfg.actor.max_restarts)
                     children[1 + i] = _spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads)))
+            if any(r.poll() is not None and r.returncode != 0 for r in ranks[1:]):
+                log.error("a learner rank exited with an error; stopping the run (the lead cannot step without it)")
+                break
             failed = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
             if actor_args and len(failed) == len(actor_args):
                 log.error("every actor exited with an error, restarts used up; stopping the learner")
                 break
             time.sleep(0.5)
     finally:
-        rc = _teardown(children, wait_first=not stopping)
+        rc = _teardown(children + ranks[1:], wait_first=not stopping)
         for s, h in old.items():
             signal.signal(s, h)
     summary = run_dir / "summary.json"

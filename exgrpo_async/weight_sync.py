@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 Meta = list[list[tuple[str, str, list[int]]]]  # buckets of (name, dtype name, shape)
 
@@ -114,6 +115,11 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype
     return buckets
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: gathered from the learner's ranks if sharded (a DTensor; collective), else itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _itemsize(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return (dtype or t.dtype).itemsize
 
@@ -160,7 +166,7 @@ class WeightPublisher:
             self._users.append(0)
         with torch.no_grad():
             for buf, bucket in zip(self._sets[idx], meta):
-                torch.cat([by_name[n].detach().reshape(-1).to(buf.dtype) for n, _, _ in bucket], out=buf)
+                torch.cat([full_tensor(by_name[n]).detach().reshape(-1).to(buf.dtype) for n, _, _ in bucket], out=buf)
         with self._lock:
             self.version, self.meta, self._current = version, meta, idx
 

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder `ckpt_root/step-000010/` holding
 - `model/`: the policy in Hugging Face format (usable on its own, e.g. for evaluation),
-- `optimizer.pt`: the optimizer state, `rng.pt`: torch CPU/CUDA and numpy RNG states (both read back
+- `optimizer.pt`: the optimizer state keyed by parameter name (torch.distributed.checkpoint's full
+  state dict), so a checkpoint of any number of learner ranks resumes into any other, `rng.pt`: torch CPU/CUDA and numpy RNG states (both read back
   with `torch.load(weights_only=True)`, so loading runs no pickled code),
 - `state.json` + `arrays.npz`: the loop's own state and the experience buffer; JSON for the plain
   values, numpy arrays (token ids, log-probs, ...) pulled out into the npz (loaded with
@@ -27,6 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from learner.buffer import ExperienceBuffer
 from learner.model import save_policy
@@ -35,7 +39,7 @@ log = logging.getLogger("exgrpo_async.learner.checkpoint")
 
 _NAME = re.compile(r"^step-(\d+)$")
 _MARKERS = ("__array__", "__tuple__", "__items__")
-FORMAT = 1
+FORMAT = 2  # 2: optimizer state keyed by parameter name
 
 
 class CheckpointError(RuntimeError):
@@ -44,7 +48,7 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, state: dict, buffer: ExperienceBuffer | None = None,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, full_state: tuple[dict, dict] | None = None) -> Path:
     """Write the checkpoint of `step` and return its folder; then delete all but the newest `keep_last`,
     and any of a later step (a history abandoned by resuming from an earlier checkpoint).
 
@@ -52,17 +56,17 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, tokenize
     and numeric numpy arrays; it comes back from `load_checkpoint` with the same types. Global RNG
     states (python `random`, numpy, torch CPU and CUDA) are captured here; a `random.Random` of the
     loop goes in `state` as `rng.getstate()`. Call only between steps, where the state is consistent.
+    `full_state` (weights, optimizer state) by parameter name comes from a sharded learner
+    (`Policy.full_state`); without it they are read from `model` and `optimizer` here.
     """
+    weights, optim = full_state if full_state is not None else local_full_state(model, optimizer)
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final, tmp = ckpt_root / f"step-{step:06d}", ckpt_root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that crashed
     tmp.mkdir()
-    if tokenizer is not None:
-        save_policy(model, tokenizer, tmp / "model")
-    else:
-        model.save_pretrained(str(tmp / "model"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    save_policy(model, tokenizer, tmp / "model", weights=weights)
+    torch.save(optim, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / "rng.pt")
     arrays: dict[str, np.ndarray] = {}
@@ -100,11 +104,17 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if verify and (why := verify_checkpoint(path)) is not None:
         raise CheckpointError(f"{path}: {why}")
     doc = json.loads((path / "state.json").read_text())
+    if doc.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {doc.get('format')}; this version reads {FORMAT} "
+                              "(the optimizer state is keyed by parameter name since format 2)")
     with np.load(path / "arrays.npz", allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
-    _load_weights(model, path / "model")
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    if model is not None:
+        weights, optim = read_training_state(path, model, optimizer is not None)
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=opts)
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, optim, options=opts)
     rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
@@ -215,21 +225,38 @@ def _freeze(k: Any) -> Any:
     return tuple(_freeze(x) for x in k) if isinstance(k, (list, tuple)) else k
 
 
-def _load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Copy the saved tensors into `model`; a key save_pretrained left out must be a tied alias."""
+def local_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The weights and optimizer state of an unsharded model, by parameter name."""
+    opts = StateDictOptions(full_state_dict=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def read_training_state(path: Path, model: torch.nn.Module, optimizer: bool = True) -> tuple[dict, dict | None]:
+    """The saved weights (tied aliases filled in) and optimizer state of checkpoint `path`, for
+    `set_model_state_dict` / `set_optimizer_state_dict`; checks the weights fit `model`."""
     from safetensors.torch import load_file
 
+    folder = Path(path) / "model"
     saved: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         saved.update(load_file(str(f)))
     if not saved:
         raise CheckpointError(f"{folder} holds no safetensors weights")
-    missing, unexpected = model.load_state_dict(saved, strict=False)
-    own = model.state_dict()
-    loaded_ptrs = {own[k].data_ptr() for k in saved if k in own}
-    untied = [k for k in missing if own[k].data_ptr() not in loaded_ptrs]
-    if unexpected or untied:
-        raise CheckpointError(f"{folder} does not fit the model: missing {untied[:5]}, unexpected {unexpected[:5]}")
+    names: dict[int, list[str]] = {}  # parameter -> every name it has (tied weights have two)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    own = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+    for aliases in names.values():
+        src = next((a for a in aliases if a in saved), None)
+        for a in aliases:
+            if src is not None and a not in saved:
+                saved[a] = saved[src]
+    missing = sorted(n for n in own if n not in saved and not n.endswith("inv_freq"))
+    unexpected = sorted(set(saved) - own)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    optim = torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
+    return saved, optim
 
 
 def _checkpoints(root: Path) -> list[tuple[int, Path]]:

@@ -32,7 +32,7 @@ import torch
 from exgrpo_async.config import ExGRPOConfig
 from learner.buffer import ExperienceBuffer, Trajectory
 from learner.dispatch import Dispatcher
-from learner.replay import select_replays
+from learner.replay import Scorer, select_replays
 from learner.update import Batch, Seq
 
 log = logging.getLogger("exgrpo_async.learner")
@@ -45,8 +45,8 @@ def _new_question_reward(batch: Batch) -> float | None:
 
 
 class Experience:
-    def __init__(self, X: ExGRPOConfig, K: int, B: int, seed: int, bf16: bool = False):
-        self.X, self.K, self.B, self.bf16 = X, K, B, bf16
+    def __init__(self, X: ExGRPOConfig, K: int, B: int, seed: int):
+        self.X, self.K, self.B = X, K, B
         self.buffer = ExperienceBuffer(K, X.max_trajectories, seed=seed)
         self.started = not X.delayed_start  # the delayed-start switch (one-way)
         self.prompt_ids_of: dict[int, list[int]] = {}  # question id -> prompt token ids, for replay scoring
@@ -60,10 +60,10 @@ class Experience:
         return self.X.enabled and self.started
 
     def end_step(self, step: int, batch: Batch, pi_past: dict[int, torch.Tensor], version: int,
-                 dispatcher: Dispatcher, model: torch.nn.Module, device: torch.device, pad_id: int,
-                 temperature: float, rng: random.Random) -> dict:
+                 dispatcher: Dispatcher, score: Scorer | None, rng: random.Random) -> dict:
         """Apply the rules to the step just trained (at learner `version`, before it goes up); returns the
-        ExGRPO part of the metrics row (empty with ExGRPO off)."""
+        ExGRPO part of the metrics row (empty with ExGRPO off). `score` scores stored trajectories under
+        the current weights (the selection pass)."""
         collecting = self.mixed  # as it was when the batch was assembled
         if self.X.enabled:
             self._retire_and_collect(batch, pi_past, dispatcher)
@@ -77,7 +77,7 @@ class Experience:
         if self.X.reinject_every and step % self.X.reinject_every == 0:
             self._reinject(dispatcher, rng)
         t_sel = time.time()
-        plan, pools = self._choose(dispatcher, model, device, pad_id, temperature, rng) if self.mixed else ([], {})
+        plan, pools = self._choose(dispatcher, score, rng) if self.mixed else ([], {})
         return self._metrics(batch, version, plan, pools, time.time() - t_sel, collecting)
 
     # ------------------------------------------------------------------ the rules
@@ -112,8 +112,7 @@ class Experience:
             self.reinjected += len(back)
             log.info("re-injected %d of %d retired questions", len(back), len(retired))
 
-    def _choose(self, dispatcher: Dispatcher, model, device, pad_id: int, temperature: float,
-                rng: random.Random) -> tuple[list, dict[int, int]]:
+    def _choose(self, dispatcher: Dispatcher, score: Scorer | None, rng: random.Random) -> tuple[list, dict[int, int]]:
         X = self.X
         open_ = dispatcher.experience_in_flight()
         want = int(X.rho * self.B) - dispatcher.experience_queued()
@@ -121,9 +120,8 @@ class Experience:
         chosen = self.buffer.sample_questions(want, X.question_weighting, X.mu, X.sigma, X.units, exclude=open_)
         if not chosen:
             return [], pools
-        plan = select_replays(model, [(q, self.prompt_ids_of[q], self.buffer.trajectories(q)) for q in chosen],
-                              X.selection, X.selection_metric, temperature, device, X.selection_batch_sequences,
-                              pad_id, rng, self.bf16)
+        plan = select_replays(score, [(q, self.prompt_ids_of[q], self.buffer.trajectories(q)) for q in chosen],
+                              X.selection, X.selection_metric, rng)
         self.bucket_at_selection.update({q: self.buffer.bucket_of(q) for q in chosen})
         dispatcher.add_experience([(q, t) for q, t, _ in plan], n=self.K - 1)
         return plan, pools

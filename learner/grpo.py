@@ -48,11 +48,47 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
     return {"input_ids": input_ids, "attention_mask": attention, "target_mask": target_mask}
 
 
+class LogProbs(torch.nn.Module):
+    """A causal LM as the learner uses it: token ids in, per-token log-probs (and entropies) out.
+
+    One module around the Hugging Face model, so a sharded learner (FSDP2) wraps it as its root unit:
+    its forward gathers the root's parameters (embeddings, final norm, output head, tied or not) once,
+    and the decoder layers, each their own unit, gather theirs as they run."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+        targets = input_ids[:, 1:]
+        model = self.policy
+        decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+        if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+            logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
+                                          with_entropy=with_entropy)
+            return logp, (entropy if with_entropy else None)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+        n, t, h = hidden.shape
+        flat_h, flat_t = hidden.reshape(n * t, h), targets.reshape(n * t)
+        grad = torch.is_grad_enabled() and flat_h.requires_grad
+        logps, ents = [], []
+        for a in range(0, n * t, chunk_tokens):
+            args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature,
+                    with_entropy)
+            lp, en = checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args)
+            logps.append(lp)
+            ents.append(en)
+        return torch.cat(logps).view(n, t), (torch.cat(ents).view(n, t) if with_entropy else None)
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024,
                    bf16: bool = False):
-    """(N, L-1) log-prob of each next token under `model` (logits divided by the sampling temperature);
-    with `with_entropy`, also the (N, L-1) entropy of each full next-token distribution.
+    """(N, L-1) log-prob of each next token under `model` (a causal LM or its `LogProbs`; logits divided
+    by the sampling temperature); with `with_entropy`, also the (N, L-1) entropy of each full
+    next-token distribution.
 
     Memory scales with tokens, not vocabulary x tokens: the decoder's hidden states go through the output
     head `chunk_tokens` positions at a time, each chunk's fp32 logits are reduced to a log-prob and an
@@ -60,28 +96,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
     `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the
     forward runs under bf16 autocast (mixed precision; the reductions stay fp32)."""
+    lp = model if isinstance(model, LogProbs) else LogProbs(model)
     if bf16:
         with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-            return token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
-    targets = input_ids[:, 1:]
-    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-        logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
-                                      with_entropy=with_entropy)
-        return (logp, entropy) if with_entropy else logp
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
-    n, t, h = hidden.shape
-    flat_h, flat_t = hidden.reshape(n * t, h), targets.reshape(n * t)
-    grad = torch.is_grad_enabled() and flat_h.requires_grad
-    logps, ents = [], []
-    for a in range(0, n * t, chunk_tokens):
-        args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature, with_entropy)
-        lp, en = checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args)
-        logps.append(lp)
-        ents.append(en)
-    logp = torch.cat(logps).view(n, t)
-    return (logp, torch.cat(ents).view(n, t)) if with_entropy else logp
+            logp, entropy = lp(input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
+    else:
+        logp, entropy = lp(input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
+    return (logp, entropy) if with_entropy else logp
 
 
 def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Tensor | None, head_bias, temperature: float,

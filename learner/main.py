@@ -1,19 +1,48 @@
-"""Entry point of the learner process: resolve the config, make the run folder, run the loop."""
+"""Entry point of a learner rank: join the learner's ranks, resolve the config, then lead or follow.
+
+Rank 0 (the only rank at `learner.world_size=1`) makes the run folder and runs the loop (train.py);
+the other ranks load the same policy and follow rank 0's operations (learner/policy.py). Started by
+`exgrpo-async train`, or by `torchrun --nproc-per-node N -m exgrpo_async.cli learner ...` (any nodes).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.launch import new_run_dir, resolve_toy
 
 
 def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
-    cfg = resolve_toy(cfg)
-    out = Path(run_dir) if run_dir else new_run_dir(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.model_dump_json(indent=2))
-    from learner.train import run
+    from learner.ranks import Ranks
 
-    run(cfg, out, resume=resume)
+    L = cfg.learner
+    torch.set_num_threads(L.threads)
+    ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
+    try:
+        if ranks.lead:
+            cfg = resolve_toy(cfg)  # builds the toy policy once, before the other ranks read it
+        if ranks.world > 1:
+            dist.barrier()
+        if not ranks.lead:
+            return _follow(resolve_toy(cfg), ranks)
+        out = Path(run_dir) if run_dir else new_run_dir(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.model_dump_json(indent=2))
+        from learner.train import run
+
+        run(cfg, out, ranks, resume=resume)
+        return 0
+    finally:
+        ranks.close()
+
+
+def _follow(cfg: RunConfig, ranks) -> int:
+    from learner.policy import Policy
+
+    torch.manual_seed(cfg.learner.seed)
+    Policy(cfg, ranks, ranks.device).follow()
     return 0

@@ -35,15 +35,19 @@ def named_parameters_for_sync(model: torch.nn.Module) -> list[tuple[str, torch.T
     return [(n, p) for n, p in model.named_parameters()]
 
 
-def save_policy(model, tokenizer, out_dir: Path, dtype: str | None = None) -> None:
-    """A Hugging Face folder; with `dtype` the weights are written in it (the master weights stay fp32)."""
+def save_policy(model, tokenizer, out_dir: Path, dtype: str | None = None, weights: dict | None = None) -> None:
+    """A Hugging Face folder; with `dtype` the weights are written in it (the master weights stay fp32).
+    `weights` (a full state dict by parameter name) stands in for the model's own, e.g. gathered from
+    a sharded learner; `tokenizer` None writes no tokenizer."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if dtype is None or getattr(torch, dtype) == next(model.parameters()).dtype:
-        model.save_pretrained(str(out_dir))
-    else:
-        cast = {k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items()}
-        model.save_pretrained(str(out_dir), state_dict=cast)
+    sd = weights if weights is not None else model.state_dict()
+    target = getattr(torch, dtype) if dtype is not None else None
+    if target is not None:
+        sd = {k: v.to(target) for k, v in sd.items()}
+    model.save_pretrained(str(out_dir), state_dict=sd)
+    if dtype is not None:  # the config says what the files hold
         cfg = type(model.config).from_pretrained(str(out_dir))
         cfg.torch_dtype = dtype
         cfg.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))

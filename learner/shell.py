@@ -20,12 +20,15 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
 from exgrpo_async.logs import log_format
 from exgrpo_async.weight_sync import WeightPublisher
-from learner.checkpoint import latest_valid, load_checkpoint, pack_ragged, save_checkpoint, unpack_ragged
+from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
+                                unpack_ragged)
 from learner.dispatch import Dispatcher
 from learner.experience import Experience
 from learner.inbox import Inbox, question_books, run_eval
 from learner.metrics import LearnerMetrics, TargetsFile
-from learner.model import load_policy, named_parameters_for_sync, pick_device, save_policy
+from learner.model import pick_device, save_policy
+from learner.policy import Policy
+from learner.ranks import Ranks
 from learner.server import LearnerServer, actor_idle_share
 from learner.update import Batch
 
@@ -40,29 +43,26 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class Shell:
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool):
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool, ranks: Ranks):
         self.cfg, self.run_dir = cfg, run_dir
         L = cfg.learner
-        self.device = pick_device(L.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(L.threads)
+        self.ranks = ranks
+        self.device = ranks.device if ranks.world > 1 else pick_device(L.device)
         torch.manual_seed(L.seed)
         self.rng = random.Random(L.seed)
-        self.model, self.tokenizer = load_policy(cfg.model.path, "float32", self.device)  # fp32 master weights
+        self.policy = Policy(cfg, ranks, self.device)  # fp32 master weights, sharded over the ranks
+        self.model, self.tokenizer, self.opt = self.policy.model, self.policy.tokenizer, self.policy.opt
         self.sync_dtype = getattr(torch, cfg.model.dtype)  # what the actors run
-        if L.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.pad_id = self.tokenizer.pad_token_id or 0
         self._load_data()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay)
         B, K = L.questions_per_step, cfg.rollout.samples_per_question
         self.dispatcher = Dispatcher(self.sampler.next, B, K, cfg.rollout.temperature, L.max_staleness,
                                      self.sampler.exclude, sampling_seed=L.seed if cfg.rollout.seeded else None,
                                      include_questions=self.sampler.include)
-        self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed, bf16=L.mixed_precision == "bf16")
+        self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed)
         self.totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
                        "verify_errors": 0}
         self.version, self.opt_updates, self.first_sync_checked, self.start_step = 0, 0, False, 1
+        self._stopped = False
         self.summary: dict = {"before": None, "after": None}
         self.ckpt_root = run_dir / "checkpoints"
         self.resumed = self._restore() if resume else False
@@ -99,7 +99,8 @@ class Shell:
             log.warning("--resume: no valid checkpoint in %s; starting from the beginning", self.ckpt_root)
             return False
         X = self.cfg.exgrpo
-        st = load_checkpoint(ckpt, self.model, self.opt, self.experience.buffer if X.enabled else None, verify=False)
+        st = load_checkpoint(ckpt, None, None, self.experience.buffer if X.enabled else None, verify=False)
+        self.policy.load_state(*read_training_state(ckpt, self.model))  # into this world size, whatever saved it
         self.dispatcher.load_state_dict(st["dispatcher"], self.sampler)
         self.rng.setstate(st["rng"])
         self.version, self.opt_updates, self.first_sync_checked = st["version"], st["opt_updates"], st["first_sync_checked"]
@@ -118,7 +119,7 @@ class Shell:
         self.publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
                                          self.device if backend == "nccl" else torch.device("cpu"),
                                          cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
-        self.publisher.publish(self.version, named_parameters_for_sync(self.model), self.sync_dtype)
+        self.policy.publish(self.publisher, self.version, self.sync_dtype)
         self.server = server = LearnerServer(cfg, self.dispatcher, self.publisher, backend, self.prompts,
                                              self.questions, cfg.model_dump_json())
         self.inbox = Inbox(server)
@@ -179,7 +180,7 @@ class Shell:
         """Bump the policy version, publish its weights, let the dispatcher admit more work."""
         self.version += 1
         t0 = time.time()
-        self.publisher.publish(self.version, named_parameters_for_sync(self.model), self.sync_dtype)
+        self.policy.publish(self.publisher, self.version, self.sync_dtype)
         seconds = time.time() - t0
         self.dispatcher.trained(self.cfg.learner.questions_per_step, self.version)
         if not self.first_sync_checked and diff_max is not None:  # actors' weights all arrived by broadcast
@@ -285,7 +286,8 @@ class Shell:
                  "eval_before": self.summary["before"]}
         t0 = time.time()
         path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.opt, state,
-                               ex.buffer if self.cfg.exgrpo.enabled else None, self.cfg.learner.keep_checkpoints)
+                               ex.buffer if self.cfg.exgrpo.enabled else None, self.cfg.learner.keep_checkpoints,
+                               full_state=self.policy.full_state())
         log.info("checkpoint %s (%.1fs)", path, time.time() - t0)
 
     def finish(self, last_step: int) -> dict:
@@ -293,7 +295,10 @@ class Shell:
         rl_seconds = time.time() - self.t_start
         if self.eval_pool:
             self.summary["after"] = self._eval(self.version)
-        save_policy(self.model, self.tokenizer, self.run_dir / "final", self.cfg.model.dtype)
+        save_policy(self.model, self.tokenizer, self.run_dir / "final", self.cfg.model.dtype,
+                    weights=self.policy.full_state(optimizer=False)[0])
+        self.policy.stop()  # the other learner ranks are done
+        self._stopped = True
         s, t = self.server, self.totals
         s.stop()  # no more dispatch: the books below are final
         self.summary.update(question_books(self.dispatcher, self.inbox, s))
@@ -318,6 +323,8 @@ class Shell:
         return self.summary
 
     def close(self, crashed: bool) -> None:
+        if not crashed and not self._stopped:  # interrupted between steps: release the other ranks
+            self.policy.stop()
         self.metrics_f.close()
         self.server.stop()
         if not crashed:  # a crashed learner leaves its targets listed: down targets are what alerts see

@@ -23,14 +23,16 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.report import write_report
 from learner.shell import Shell
 from learner.step_metrics import batch_stats, loss_stats
-from learner.update import StepSettings, assemble, minibatch_order, update_policy
+from learner.ranks import Ranks
+from learner.update import StepSettings, assemble, minibatch_order
 
 log = logging.getLogger("exgrpo_async.learner")
 
 
-def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
-    """Train; with `resume`, continue from the newest valid checkpoint in run_dir/checkpoints."""
-    sh = Shell(cfg, run_dir, resume)
+def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> dict:
+    """Train (rank 0 of the learner's ranks); with `resume`, continue from the newest valid checkpoint in
+    run_dir/checkpoints."""
+    sh = Shell(cfg, run_dir, resume, ranks)
     L, X = cfg.learner, cfg.exgrpo
     crashed = False
     try:
@@ -46,17 +48,13 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             sh.count_batch(batch)
 
             t_train = time.time()
-            sh.model.train()
             settings = StepSettings(clip=_clip(cfg, sh.experience.started), nan_drill=step in L.fault_nan_loss_at_steps)
-            res = update_policy(sh.model, sh.opt, batch.seqs, len(groups), cfg, settings, sh.device, sh.pad_id,
-                                sh.opt_updates)
-            sh.model.eval()
+            res = sh.policy.update(batch.seqs, len(groups), settings, sh.opt_updates)  # on every learner rank
             sh.opt_updates += res.updates
             sh.totals["skipped_steps"] += res.skipped
             t_train = time.time() - t_train
 
-            ex = sh.experience.end_step(step, batch, res.pi_past, sh.version, sh.dispatcher, sh.model, sh.device,
-                                        sh.pad_id, cfg.rollout.temperature, sh.rng)
+            ex = sh.experience.end_step(step, batch, res.pi_past, sh.version, sh.dispatcher, sh.policy.score, sh.rng)
             t_pub = sh.publish_next_version(res.diff_max)
 
             row = {"step": step, "policy_version": sh.version, **batch_stats(batch), **loss_stats(res),

@@ -21,14 +21,17 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
 from learner.grpo import group_advantages, mismatch_kl, pack_sequences, policy_loss, scatter_completion, token_logprobs
 from learner.loss_scale import LossScale
+from learner.ranks import Ranks, split_by_tokens
 
 log = logging.getLogger("exgrpo_async.learner")
+SOLO = Ranks()  # one rank: no process group
 
 
 @dataclass
@@ -110,15 +113,18 @@ def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collectin
 
 @torch.no_grad()
 def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, batch: int, temperature: float,
-                    bf16: bool = False) -> dict:
-    """Per-completion log-probs under the model as it is now (before the step's first update)."""
+                    bf16: bool = False, passes: int | None = None, filler: Seq | None = None) -> dict:
+    """Per-completion log-probs under the model as it is now (before the step's first update). With
+    `passes` (sharded ranks: every rank makes the same number of forward passes), passes beyond this
+    rank's own work forward `filler` and discard it."""
     out = {}
-    for j in range(0, len(seqs), batch):
-        chunk = seqs[j:j + batch]
+    passes = passes if passes is not None else -(-len(seqs) // batch)
+    for p in range(passes):
+        chunk = seqs[p * batch:(p + 1) * batch] or [filler]
         packed = pack_sequences([s.prompt for s in chunk], [s.completion for s in chunk], pad_id)
         logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device), temperature,
                               bf16=bf16)
-        for r, key in enumerate(keys[j:j + batch]):
+        for r, key in enumerate(keys[p * batch:(p + 1) * batch]):
             out[key] = logp[r][packed["target_mask"][r].to(device)].float().cpu()
     return out
 
@@ -145,35 +151,81 @@ class StepSettings:
 
 def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list[Seq], n_groups: int,
                   cfg: RunConfig, settings: StepSettings, device: torch.device, pad_id: int,
-                  updates_before: int) -> UpdateResult:
-    """Train on one step's sequences: `minibatches_per_step` optimizer updates over groups in order."""
+                  updates_before: int, ranks: Ranks = SOLO) -> UpdateResult:
+    """Train on one step's sequences: `minibatches_per_step` optimizer updates over groups in order.
+
+    On several ranks every rank gets all of `seqs` and forwards its share of each mini-batch (split by
+    tokens, `split_by_tokens`); all ranks make the same number of forward/backward passes (a rank whose
+    share ran out forwards a filler sequence with zero loss), gradients are summed over ranks (FSDP2 with
+    a divide factor of 1; the loss is already on the mini-batch's global scale), and the results are
+    reduced so the lead's `UpdateResult` is the whole step's."""
     L, X = cfg.learner, cfg.exgrpo
     res = UpdateResult()
     mb_groups = n_groups // L.minibatches_per_step
     correcting = L.off_policy_correction != "none"
-    late = _late(seqs, mb_groups, correcting, X.pi_past)
-    pre_logp = recompute_logps(model, [seqs[i] for i in late], late, pad_id, device, L.micro_batch_sequences,
-                               cfg.rollout.temperature, L.mixed_precision == "bf16") if late else {}
-    for mb in range(L.minibatches_per_step):
-        mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
+    plan = [_minibatch_plan(seqs, mb, mb_groups, L, settings, ranks.world) for mb in range(L.minibatches_per_step)]
+    late = [[i for mb_idx, shares in plan[1:] for i in shares[r] if _needs_pre_logp(seqs[i], correcting, X.pi_past)]
+            for r in range(ranks.world)]
+    mbs = L.micro_batch_sequences
+    passes = max(-(-len(x) // mbs) for x in late)
+    mine = late[ranks.rank]
+    pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, mbs, cfg.rollout.temperature,
+                               L.mixed_precision == "bf16", passes, filler=seqs[0] if seqs else None) if passes else {}
+    for mb, (mb_idx, shares) in enumerate(plan):
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
-        live = [i for i in mb_idx if seqs[i].advantage != 0.0 or not L.drop_zero_advantage or L.entropy_coef > 0]
-        if settings.nan_drill and not live:  # the drill fires even on an all-zero batch
-            live = mb_idx[:1]
         opt.zero_grad(set_to_none=True)
         mb_loss = 0.0
-        for j in range(0, len(live), L.micro_batch_sequences):
-            idx = live[j:j + L.micro_batch_sequences]
-            mb_loss += _micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
+        own = shares[ranks.rank]
+        for j in range(max(-(-len(x) // mbs) for x in shares)):
+            idx = own[j * mbs:(j + 1) * mbs]
+            if idx:
+                mb_loss += _micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
+            else:
+                _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
         res.losses.append(mb_loss)
         _optimizer_step(model, opt, L, updates_before + res.updates, res)
+    if ranks.world > 1:
+        _reduce_result(res, ranks)
     return res
 
 
-def _late(seqs: list[Seq], mb_groups: int, correcting: bool, pi_past: str) -> list[int]:
-    """Sequences of mini-batches after the first whose pre-update log-probs are needed."""
-    return [i for i, s in enumerate(seqs) if s.group >= mb_groups
-            and ((correcting and not s.replay) or (pi_past == "learner" and s.collect))]
+def _minibatch_plan(seqs: list[Seq], mb: int, mb_groups: int, L, settings: StepSettings,
+                    world: int) -> tuple[list[int], list[list[int]]]:
+    """A mini-batch's sequences, and the forwarded ones dealt to the ranks by tokens."""
+    mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
+    live = [i for i in mb_idx if seqs[i].advantage != 0.0 or not L.drop_zero_advantage or L.entropy_coef > 0]
+    if settings.nan_drill and not live:  # the drill fires even on an all-zero batch
+        live = mb_idx[:1]
+    shares = split_by_tokens([len(seqs[i].prompt) + len(seqs[i].completion) for i in live], world)
+    return mb_idx, [[live[k] for k in share] for share in shares]
+
+
+def _needs_pre_logp(s: Seq, correcting: bool, pi_past: str) -> bool:
+    """A forwarded sequence of a mini-batch after the first needs its pre-update log-probs: as pi_prox
+    (fresh tokens, staleness correction) or as pi_past (collected by ExGRPO)."""
+    return (correcting and not s.replay) or (pi_past == "learner" and s.collect)
+
+
+def _filler_step(model, s: Seq, cfg: RunConfig, device, pad_id: int) -> None:
+    """A forward/backward with zero loss, so this rank joins the collectives of a pass it has no work for."""
+    packed = pack_sequences([s.prompt], [s.completion], pad_id)
+    logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
+                          cfg.rollout.temperature, bf16=cfg.learner.mixed_precision == "bf16")
+    (logp.sum() * 0.0).backward()
+
+
+def _reduce_result(res: UpdateResult, ranks: Ranks) -> None:
+    """Make the lead's result the whole step's: loss sums, KL sums, max diff, micro-batch stats, pi_past."""
+    res.losses = ranks.sum(res.losses)
+    kl = ranks.sum([res.kl["mismatch"][0], res.kl["mismatch"][1], res.kl["behaviour"][0], res.kl["behaviour"][1]])
+    res.kl = {"mismatch": [kl[0], int(kl[1])], "behaviour": [kl[2], int(kl[3])]}
+    d = ranks.max([res.diff_max if res.diff_max is not None else -1.0])[0]
+    res.diff_max = d if d >= 0 else None
+    parts = ranks.gather({"stats": res.stats,
+                          "pi_past": {i: t.numpy().astype("float32").tobytes() for i, t in res.pi_past.items()}})
+    res.stats = [st for p in parts for st in p["stats"]]
+    res.pi_past = {int(i): torch.frombuffer(bytearray(b), dtype=torch.float32) for p in parts
+                   for i, b in p["pi_past"].items()}
 
 
 def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, scale: LossScale, cfg: RunConfig,
@@ -235,7 +287,12 @@ def _mismatch_stats(prox, behav, mask, replay_rows, micro: list[Seq], kl_valid: 
 
 def _optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
     """Clip, check and apply the accumulated gradient (or skip and count it)."""
-    gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), L.grad_clip))
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0) if params else torch.zeros(())
+    if isinstance(norm, DTensor):  # sharded gradients: the norm of the whole gradient, on every rank
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, L.grad_clip, norm)
+    gn = float(norm)
     res.norms.append(gn)
     if not math.isfinite(gn) or gn > L.skip_grad_norm:
         res.skipped += 1

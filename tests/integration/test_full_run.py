@@ -95,3 +95,27 @@ def test_exgrpo_run_switches_on_and_replays_experience(small, tmp_path):
     assert r["replay_token_frac"] > 0 and r["replay_w_max"] is not None and math.isfinite(r["replay_w_max"])
     assert sum(r["experience_by_bucket"].values()) == r["experience_questions"]
     assert all(math.isfinite(x["loss"]) for x in rows)
+
+
+def test_two_learner_ranks_train_replay_checkpoint_and_resume_on_one(small, tmp_path):
+    """`learner.world_size=2`: the lead and a follower rank (FSDP2 on gloo) train with real actors,
+    ExGRPO's selection pass runs on both, the weights reach the actors, and the run's checkpoint
+    resumes with one rank."""
+    out = tmp_path / "runs"
+    proc = subprocess.run(cli(["train", *small, "learner.world_size=2", "learner.max_steps=5", f"output_dir={out}",
+                               "exgrpo.enabled=true", "exgrpo.delayed_start=false", "learner.checkpoint_every=4"]),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(out.iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert any(r.get("selected_entropy_mean") is not None for r in rows)  # the selection pass ran
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["after"]["versions"] == [5]
+    resumed = subprocess.run(cli(["train", "--resume", str(run_dir), "learner.world_size=1", "learner.max_steps=6"]),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows][-1] == 6

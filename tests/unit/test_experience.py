@@ -4,7 +4,6 @@ experience group), and the replay-health figures."""
 import random
 
 import numpy as np
-import torch
 
 from exgrpo_async.config import load_config
 from exgrpo_async.data import QuestionSampler
@@ -34,7 +33,7 @@ def _setup(*overrides: str):
 
 def _end(ex: Experience, disp: Dispatcher, groups, version=1, step=1):
     batch = assemble(groups, version, collecting=ex.mixed)
-    return ex.end_step(step, batch, {}, version, disp, None, torch.device("cpu"), 0, 1.0, random.Random(0))
+    return ex.end_step(step, batch, {}, version, disp, None, random.Random(0))
 
 
 def test_partly_solved_groups_are_collected_solved_ones_retired_and_replays_chosen():
@@ -60,7 +59,7 @@ def test_open_experience_is_never_chosen_again_and_queued_items_count_against_rh
     for it in taken:
         disp.complete(it.work_id)  # arrived, not yet trained: still open
     plan_before = set(first)
-    ex._choose(disp, None, torch.device("cpu"), 0, 1.0, random.Random(1))
+    ex._choose(disp, None, random.Random(1))
     second = disp.experience_in_flight() - plan_before
     assert second and not (second & plan_before) and len(disp.experience_in_flight()) == 8
 

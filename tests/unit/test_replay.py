@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from learner.buffer import Trajectory
-from learner.replay import select_replays
+from learner.replay import score_trajectories, select_replays
 
 
 class Bigram(torch.nn.Module):
@@ -26,6 +26,12 @@ def make_model():
     return Bigram(t)
 
 
+def scorer(model, batch):
+    """Scores with `score_trajectories` on this model, `batch` sequences per pass."""
+    return lambda prompts, comps, metric: score_trajectories(model, prompts, comps, metric, 1.0, torch.device("cpu"),
+                                                             batch, 0)
+
+
 def tr(*ids):
     return Trajectory(np.array(ids, np.int32), np.zeros(len(ids), np.float32), 0)
 
@@ -42,24 +48,33 @@ def test_lowest_entropy_trajectory_wins_and_highest_for_the_ablation():
     trajs = [tr(2, 2, 2), tr(1, 1, 1), tr(3, 3, 1), tr(2, 1)]
     expected = [mean_entropy(model, prompt, t.token_ids.tolist()) for t in trajs]
     rng = random.Random(0)
-    args = ("entropy", 1.0, torch.device("cpu"), 2, 0, rng)  # batch of 2: scoring spans several passes
-    [(qid, chosen, score)] = select_replays(model, [(9, prompt, trajs)], "lowest_entropy", *args)
+    score = scorer(model, 2)  # batch of 2: scoring spans several passes
+    [(qid, chosen, sc)] = select_replays(score, [(9, prompt, trajs)], "lowest_entropy", "entropy", rng)
     assert qid == 9 and chosen is trajs[int(np.argmin(expected))]
-    assert abs(score - min(expected)) < 1e-5
-    [(_, chosen, _)] = select_replays(model, [(9, prompt, trajs)], "highest_entropy", *args)
+    assert abs(sc - min(expected)) < 1e-5
+    [(_, chosen, _)] = select_replays(score, [(9, prompt, trajs)], "highest_entropy", "entropy", rng)
     assert chosen is trajs[int(np.argmax(expected))]
 
 
 def test_several_questions_are_scored_in_one_batch_and_kept_apart():
     model = make_model()
     q = [(1, [5], [tr(2, 2), tr(1, 1)]), (2, [5], [tr(3, 1)]), (3, [5], [tr(1, 2), tr(2, 2), tr(1, 1, 1)])]
-    out = select_replays(model, q, "lowest_entropy", "entropy", 1.0, torch.device("cpu"), 64, 0, random.Random(0))
+    out = select_replays(scorer(model, 64), q, "lowest_entropy", "entropy", random.Random(0))
     assert [o[0] for o in out] == [1, 2, 3]
     assert out[0][1].token_ids.tolist() == [1, 1] and out[1][1].token_ids.tolist() == [3, 1]
     assert out[2][1].token_ids.tolist() == [1, 1, 1]
 
 
 def test_random_selection_needs_no_model():
-    out = select_replays(None, [(1, [5], [tr(1), tr(2), tr(3)])], "random", "entropy", 1.0, torch.device("cpu"), 8, 0,
-                         random.Random(0))
+    out = select_replays(None, [(1, [5], [tr(1), tr(2), tr(3)])], "random", "entropy", random.Random(0))
     assert out[0][1].token_ids.tolist()[0] in (1, 2, 3)
+
+
+def test_padding_passes_score_the_filler_and_drop_it():
+    """A sharded rank with less work than the others makes the same number of passes; its scores are its own."""
+    model = make_model()
+    prompts, comps = [[5], [5]], [[1, 1], [2, 2]]
+    plain = score_trajectories(model, prompts, comps, "entropy", 1.0, torch.device("cpu"), 1, 0)
+    padded = score_trajectories(model, prompts, comps, "entropy", 1.0, torch.device("cpu"), 1, 0, passes=4,
+                                filler=([5], [3, 3]))
+    assert padded == plain and len(plain) == 2

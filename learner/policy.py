@@ -1,0 +1,166 @@
+"""The trained policy on this learner rank, and the operations all ranks run on it together.
+
+fp32 master weights and AdamW state; compute in bf16 with `learner.mixed_precision="bf16"`. With
+`learner.world_size` > 1 the model is sharded with FSDP2 (`fully_shard` on every decoder layer, then on
+the `LogProbs` root that holds embeddings, final norm and output head; bf16 parameters in compute and
+fp32 gradient reduction through its MixedPrecisionPolicy; gradients summed over ranks, since every
+rank's loss is already on the step's global scale).
+
+Every operation below is collective: the lead calls it (announcing it to the followers first) and each
+follower runs it from `follow()`, with the same arguments:
+- update: one step's optimizer updates (learner/update.py, the batch split over ranks by tokens);
+- score: ExGRPO's selection pass, each rank scoring its share of the stored trajectories;
+- publish: the weights gathered parameter by parameter, a bucket at a time, into the publisher's
+  persistent buffers on the lead (never the whole model twice on any rank);
+- state / load: the full model and optimizer state on the lead (checkpoints, the export), and back
+  (broadcast from the lead), keyed by parameter name, so a checkpoint resumes into any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from exgrpo_async.config import RunConfig
+from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
+from learner.grpo import LogProbs
+from learner.model import load_policy, named_parameters_for_sync
+from learner.ranks import Ranks, split_by_tokens
+from learner.replay import score_trajectories
+from learner.update import Seq, StepSettings, UpdateResult, update_policy
+
+log = logging.getLogger("exgrpo_async.learner")
+
+
+def shard(model: torch.nn.Module, mixed_precision: str) -> LogProbs:
+    """FSDP2 over the default process group: each decoder layer a unit, the `LogProbs` root the last."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers: cannot shard it over learner ranks")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if mixed_precision == "bf16" else MixedPrecisionPolicy())
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    root = fully_shard(LogProbs(model), mp_policy=mp)
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss is on the global scale
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return root
+
+
+class Policy:
+    def __init__(self, cfg: RunConfig, ranks: Ranks, device: torch.device):
+        L = cfg.learner
+        self.cfg, self.ranks, self.device = cfg, ranks, device
+        self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)  # fp32 master weights
+        if L.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.forward = shard(self.model, L.mixed_precision) if ranks.world > 1 else LogProbs(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.bf16 = L.mixed_precision == "bf16"
+
+    # ------------------------------------------------------------------ the collective operations
+    def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:
+        self.ranks.announce("update", {"seqs": [_encode_seq(s) for s in seqs], "n_groups": n_groups,
+                                       "clip": settings.clip, "nan_drill": settings.nan_drill,
+                                       "updates_before": updates_before})
+        self.model.train()
+        try:
+            return update_policy(self.forward, self.opt, seqs, n_groups, self.cfg, settings, self.device, self.pad_id,
+                                 updates_before, self.ranks)
+        finally:
+            self.model.eval()
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], completions: list[list[int]], metric: str) -> list[float]:
+        """Mean per-token entropy (or NLL) of each completion given its prompt under the current weights."""
+        self.ranks.announce("score", {"prompts": prompts, "completions": completions, "metric": metric})
+        if not completions:
+            return []
+        shares = split_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], self.ranks.world)
+        batch = self.cfg.exgrpo.selection_batch_sequences
+        passes = max(-(-len(s) // batch) for s in shares)
+        mine = shares[self.ranks.rank]
+        local = score_trajectories(self.forward, [prompts[i] for i in mine], [completions[i] for i in mine], metric,
+                                   self.cfg.rollout.temperature, self.device, batch, self.pad_id, self.bf16,
+                                   passes=passes, filler=(prompts[0], completions[0]))
+        if hasattr(self.forward, "reshard"):  # FSDP2 keeps the root gathered after a forward (for backward)
+            self.forward.reshard()
+        out = [0.0] * len(completions)
+        for share, scores in zip(shares, self.ranks.gather(local)):
+            for i, sc in zip(share, scores):
+                out[i] = sc
+        return out
+
+    def publish(self, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> None:
+        """Lead: pack the weights into the publisher's buffers as `version`; followers join the gathers."""
+        self.ranks.announce("publish", {"version": version})
+        named = named_parameters_for_sync(self.model)
+        if publisher is not None:
+            publisher.publish(version, named, dtype)  # gathers sharded parameters one at a time
+            return
+        by_name = dict(named)  # a follower: the same gathers in the publisher's order, results dropped
+        for bucket in plan_buckets(named, self.cfg.weight_sync.bucket_mb << 20, dtype):
+            for name, _, _ in bucket:
+                full_tensor(by_name[name])
+
+    def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """The whole model (and optimizer) state on the lead's CPU, by parameter name; empty elsewhere."""
+        self.ranks.announce("state", {"optimizer": optimizer})
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=opts)
+        return weights, (get_optimizer_state_dict(self.model, self.opt, options=opts) if optimizer else None)
+
+    def load_state(self, weights: dict, optim: dict | None) -> None:
+        """Load a full state read on the lead (followers pass empty dicts); broadcast from the lead."""
+        self.ranks.announce("load", {"optimizer": optim is not None})
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.ranks.world > 1, strict=False)
+        set_model_state_dict(self.model, weights, options=opts)
+        if optim is not None:
+            set_optimizer_state_dict(self.model, self.opt, optim, options=opts)
+
+    def stop(self) -> None:
+        self.ranks.announce("stop", {})
+
+    # ------------------------------------------------------------------ followers
+    def follow(self) -> None:
+        """A follower rank's whole life: run what the lead announces until it says stop."""
+        while True:
+            op, p = self.ranks.receive()
+            if op == "update":
+                settings = StepSettings(clip=p["clip"], nan_drill=p["nan_drill"])
+                self.model.train()
+                update_policy(self.forward, self.opt, [_decode_seq(s) for s in p["seqs"]], p["n_groups"], self.cfg,
+                              settings, self.device, self.pad_id, p["updates_before"], self.ranks)
+                self.model.eval()
+            elif op == "score":
+                self.score(p["prompts"], p["completions"], p["metric"])
+            elif op == "publish":
+                self.publish(None, p["version"], getattr(torch, self.cfg.model.dtype))
+            elif op == "state":
+                self.full_state(p["optimizer"])
+            elif op == "load":
+                self.load_state({}, {} if p["optimizer"] else None)
+            elif op == "stop":
+                return
+            else:
+                raise ValueError(f"learner rank {self.ranks.rank}: unknown operation {op!r} from the lead")
+
+
+def _encode_seq(s: Seq) -> dict:
+    return {"p": s.prompt, "c": s.completion, "lp": s.logprobs.float().numpy().tobytes(), "a": s.advantage,
+            "st": s.staleness, "g": s.group, "r": s.replay, "co": s.collect}
+
+
+def _decode_seq(d: dict) -> Seq:
+    lp = torch.from_numpy(np.frombuffer(d["lp"], dtype=np.float32).copy())
+    return Seq(d["p"], d["c"], lp, d["a"], d["st"], d["g"], d["r"], d["co"])

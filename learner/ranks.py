@@ -1,0 +1,128 @@
+"""The learner's ranks: the processes that train one step together, and what they say to each other.
+
+`learner.world_size` ranks (one per GPU; CPU processes on gloo in tests) hold one FSDP2-sharded policy.
+Rank 0 (the lead) runs the loop: server, dispatcher, experience buffer. The other ranks follow: they
+wait for the next operation the lead announces (update, score, publish, state, stop; learner/policy.py)
+and run it with the lead, so every collective (FSDP2's all-gathers and reduce-scatters, the publish
+gather, the step's reductions) is entered by every rank in the same order.
+
+Announcements and results travel as msgpack in uint8 tensors over the default process group, never
+pickle. World size 1 has no process group: announcements are dropped and reductions are the identity.
+The group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK),
+which `exgrpo-async train` sets for the ranks it starts itself.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+MAX_MESSAGE_BYTES = 1 << 30  # one step's sequences; anything bigger is a bug
+
+
+class Ranks:
+    """This process's place among the learner's ranks, and the few collectives the loop needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device = torch.device("cpu")):
+        self.rank, self.world, self.device = rank, world, device
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, world_size: int, device_setting: str, timeout_s: float) -> "Ranks":
+        """Join the learner's process group described by torchrun's variables (world size 1 without them).
+
+        `world_size` is the configured `learner.world_size`; torchrun's WORLD_SIZE must agree with it."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != world_size:
+            raise ValueError(f"learner.world_size={world_size} but the environment says WORLD_SIZE={world} "
+                             "(torchrun --nproc-per-node and learner.world_size must agree)")
+        if world == 1:
+            return cls()
+        rank = int(os.environ["RANK"])
+        cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world, device)
+
+    # ------------------------------------------------------------------ lead -> followers
+    def announce(self, op: str, payload: dict[str, Any]) -> None:
+        """Lead: tell the followers the next operation (they block in `receive` until it comes). A
+        follower running the same operation calls this too, and nothing happens."""
+        if self.world > 1 and self.lead:
+            self._broadcast_bytes(msgpack.packb({"op": op, **payload}, use_bin_type=True))
+
+    def receive(self) -> tuple[str, dict[str, Any]]:
+        """Follower: the next operation the lead announces, and its payload."""
+        msg = msgpack.unpackb(self._broadcast_bytes(None), raw=False, strict_map_key=False)
+        return msg.pop("op"), msg
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(n, 0)
+        size = int(n.item())
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"learner rank message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data is not None
+               else torch.empty(size, dtype=torch.uint8, device=self.device))
+        dist.broadcast(buf, 0)
+        return bytes(buf.cpu().numpy())
+
+    # ------------------------------------------------------------------ reductions
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (fp64)."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        if self.world == 1 or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.cpu().tolist()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's msgpack-able `obj`, in rank order (on every rank)."""
+        if self.world == 1:
+            return [obj]
+        data = msgpack.packb(obj, use_bin_type=True)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        width = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else mine[:0]
+        bufs = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        dist.all_gather(bufs, mine)
+        return [msgpack.unpackb(bytes(b[:int(s.item())].cpu().numpy()), raw=False, strict_map_key=False)
+                for b, s in zip(bufs, sizes)]
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def split_by_tokens(lengths: list[int], world: int) -> list[list[int]]:
+    """Indices of `lengths` dealt to `world` ranks so their token counts are close (longest first, each
+    to the rank with the fewest tokens so far; ties to the lower rank). Deterministic: every rank
+    computes the same split. Each rank's indices come back in ascending order."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]
