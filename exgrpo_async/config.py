@@ -195,7 +195,13 @@ class LearnerConfig(_Strict):
     minibatches_per_step: int = Field(1, gt=0)
     """Optimizer updates per learner step (the paper: 2, i.e. mini-batches of B/2 questions)."""
     micro_batch_sequences: int = Field(64, gt=0)
-    """Sequences per forward/backward; gradients are accumulated over micro-batches."""
+    """Sequences per forward/backward; gradients are accumulated over micro-batches. Unused when
+    `max_tokens_per_micro_batch` is set."""
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0)
+    """Token budget of one forward/backward (prompt + completion tokens): sequences are packed back to
+    back into rows of at most this many tokens, without padding (position ids restart per sequence),
+    and a micro-batch takes as many as fit; memory then follows the budget, not the lengths. None: one
+    padded row per sequence, `micro_batch_sequences` at a time."""
     lr: float = Field(5e-5, gt=0)
     """AdamW learning rate (constant after warm-up)."""
     warmup_steps: int = Field(0, ge=0)

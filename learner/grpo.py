@@ -31,23 +31,6 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad prompt+completion rows. `target_mask[i, j]` marks positions j whose *next* token is a
-    completion token, i.e. where logits[:, j] score completion token j+1."""
-    lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    width = max(lens)
-    n = len(prompts)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    target_mask = torch.zeros((n, width - 1), dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        row = list(p) + list(c)
-        input_ids[i, :len(row)] = torch.tensor(row)
-        attention[i, :len(row)] = 1
-        target_mask[i, len(p) - 1:len(row) - 1] = True
-    return {"input_ids": input_ids, "attention_mask": attention, "target_mask": target_mask}
-
-
 class LogProbs(torch.nn.Module):
     """A causal LM as the learner uses it: token ids in, per-token log-probs (and entropies) out.
 
@@ -59,17 +42,20 @@ class LogProbs(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                with_entropy: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
+                with_entropy: bool = False, chunk_tokens: int = 1024,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         targets = input_ids[:, 1:]
         model = self.policy
         decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+        kw = {"position_ids": position_ids} if position_ids is not None else {}
         if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits[:, :-1]
             logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
                                           with_entropy=with_entropy)
             return logp, (entropy if with_entropy else None)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                         **kw).last_hidden_state[:, :-1]
         n, t, h = hidden.shape
         flat_h, flat_t = hidden.reshape(n * t, h), targets.reshape(n * t)
         grad = torch.is_grad_enabled() and flat_h.requires_grad
@@ -83,9 +69,9 @@ class LogProbs(torch.nn.Module):
         return torch.cat(logps).view(n, t), (torch.cat(ents).view(n, t) if with_entropy else None)
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024,
-                   bf16: bool = False):
+                   bf16: bool = False, position_ids: torch.Tensor | None = None):
     """(N, L-1) log-prob of each next token under `model` (a causal LM or its `LogProbs`; logits divided
     by the sampling temperature); with `with_entropy`, also the (N, L-1) entropy of each full
     next-token distribution.
@@ -95,13 +81,15 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     entropy at once, and under autograd each chunk is checkpointed (its logits are recomputed in the
     backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
     `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the
-    forward runs under bf16 autocast (mixed precision; the reductions stay fp32)."""
+    forward runs under bf16 autocast (mixed precision; the reductions stay fp32). Packed rows
+    (learner/packing.py) pass `position_ids` restarting per sequence and no attention mask."""
     lp = model if isinstance(model, LogProbs) else LogProbs(model)
+    args = (input_ids, attention_mask, temperature, with_entropy, chunk_tokens, position_ids)
     if bf16:
         with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-            logp, entropy = lp(input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
+            logp, entropy = lp(*args)
     else:
-        logp, entropy = lp(input_ids, attention_mask, temperature, with_entropy, chunk_tokens)
+        logp, entropy = lp(*args)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -120,28 +108,27 @@ def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Ten
     return logp, entropy
 
 
-def scatter_completion(values: list[torch.Tensor], target_mask: torch.Tensor) -> torch.Tensor:
-    """Place per-completion vectors (e.g. behaviour log-probs) into the (N, L-1) target layout."""
-    out = torch.zeros(target_mask.shape, dtype=torch.float32)
-    out[target_mask] = torch.cat([v.float() for v in values]) if values else torch.zeros(0)
-    return out
-
-
 def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                      cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+                      cap: float, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance weight of each token for being sampled by the behaviour policy, not the proximal one.
 
-    mode: "token_truncate" | "token_mask" | "sequence_truncate" | "sequence_mask". Returns the (N, T)
-    detached weights (1 on masked-out positions) and their statistics over the valid tokens (or rows):
-    mean and max of the raw weight, and the fraction truncated or masked (raw weight above `cap`).
+    mode: "token_truncate" | "token_mask" | "sequence_truncate" | "sequence_mask". A sequence's weight
+    is the product of its tokens' ratios; `segments` (R, T) says which sequence each position belongs
+    to (packed rows), else each row is one sequence. Returns the (R, T) detached weights (1 on
+    masked-out positions) and their statistics over the valid tokens (or sequences): mean and max of
+    the raw weight, and the fraction truncated or masked (raw weight above `cap`).
     """
     maskf = mask.float()
     log_w = ((proximal_logp - behaviour_logp) * maskf).detach()
     if mode.startswith("sequence"):
-        rows = mask.any(-1)
-        raw_rows = torch.exp(log_w.sum(-1).clamp(max=80.0))  # clamp: keep exp finite, it is capped anyway
-        raw = raw_rows.unsqueeze(-1).expand_as(log_w)
-        stat_raw, stat_valid = raw_rows[rows], rows.sum()
+        seg = segments if segments is not None else torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
+        seg = torch.where(mask, seg, torch.zeros_like(seg))
+        n_seg = int(seg.max()) + 1 if mask.any() else 1
+        sums = torch.zeros(n_seg, dtype=log_w.dtype, device=log_w.device).index_add_(0, seg[mask], log_w[mask])
+        present = torch.bincount(seg[mask], minlength=n_seg) > 0
+        raw_seq = torch.exp(sums.clamp(max=80.0))  # clamp: keep exp finite, it is capped anyway
+        raw = raw_seq[seg]
+        stat_raw, stat_valid = raw_seq[present], present.sum()
     else:
         raw = torch.exp(log_w.clamp(max=80.0))
         stat_raw, stat_valid = raw[mask], mask.sum()
@@ -166,10 +153,12 @@ def mismatch_kl(learner_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: 
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float | None, normalizer: float, replay_mask: torch.Tensor | None = None,
                 shaping_beta: float | None = None, proximal_logp: torch.Tensor | None = None,
-                correction: str = "token_truncate", cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+                correction: str = "token_truncate", cap: float = 2.0,
+                segments: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr.GRPO token-sum loss over fresh and (ExGRPO) replayed tokens.
 
-    logp, behaviour_logp, mask, replay_mask: (N, T); advantages: (N,). For replayed rows the
+    logp, behaviour_logp, mask, replay_mask: (N, T); advantages: (N,) per row, or (N, T) per token
+    (packed rows, whose sequences `segments` names; see `behaviour_weights`). For replayed rows the
     `behaviour_logp` slot holds pi_past, so w = exp(logp - logp_past) is the same formula.
     - fresh tokens: -A * r, PPO-clipped to [1-eps, 1+eps] unless `clip_eps` is None;
     - replayed tokens (`replay_mask`): -A * f(w), f(w) = w / (w + beta) (policy shaping), or f(w) = w
@@ -183,7 +172,7 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
     freshf = fresh.float()
     anchor = behaviour_logp if proximal_logp is None else torch.where(fresh, proximal_logp, behaviour_logp)
     ratio = torch.exp((logp - anchor) * maskf)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     per_token = -adv * ratio
     clipped_frac = torch.zeros(())
     if clip_eps is not None:
@@ -192,7 +181,7 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
         per_token = torch.where(fresh, torch.maximum(per_token, clipped), per_token)
     stats: dict[str, float] = {}
     if proximal_logp is not None:
-        w, w_stats = behaviour_weights(proximal_logp, behaviour_logp, fresh, correction, cap)
+        w, w_stats = behaviour_weights(proximal_logp, behaviour_logp, fresh, correction, cap, segments)
         per_token = torch.where(fresh, w * per_token, per_token)
         stats.update(w_stats)
     if replay_mask is not None:
@@ -212,3 +201,11 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
         "tokens": float(maskf.sum()),
     })
     return loss, stats
+
+
+def rows_logprobs(model: torch.nn.Module, rows, device: torch.device, temperature: float, with_entropy: bool = False,
+                  bf16: bool = False):
+    """`token_logprobs` over a `learner.packing.Rows` layout."""
+    am = rows.attention_mask.to(device) if rows.attention_mask is not None else None
+    pos = rows.position_ids.to(device) if rows.position_ids is not None else None
+    return token_logprobs(model, rows.input_ids.to(device), am, temperature, with_entropy, bf16=bf16, position_ids=pos)

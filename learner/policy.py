@@ -30,6 +30,7 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
 from learner.grpo import LogProbs
 from learner.model import load_policy, named_parameters_for_sync
+from learner.packing import micro_batches
 from learner.ranks import Ranks, split_by_tokens
 from learner.replay import score_trajectories
 from learner.update import Seq, StepSettings, UpdateResult, update_policy
@@ -86,13 +87,14 @@ class Policy:
         self.ranks.announce("score", {"prompts": prompts, "completions": completions, "metric": metric})
         if not completions:
             return []
-        shares = split_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], self.ranks.world)
-        batch = self.cfg.exgrpo.selection_batch_sequences
-        passes = max(-(-len(s) // batch) for s in shares)
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+        shares = split_by_tokens(lengths, self.ranks.world)
+        batch, budget = self.cfg.exgrpo.selection_batch_sequences, self.cfg.learner.max_tokens_per_micro_batch
+        passes = max(len(micro_batches([lengths[i] for i in s], batch, budget)) for s in shares)
         mine = shares[self.ranks.rank]
         local = score_trajectories(self.forward, [prompts[i] for i in mine], [completions[i] for i in mine], metric,
                                    self.cfg.rollout.temperature, self.device, batch, self.pad_id, self.bf16,
-                                   passes=passes, filler=(prompts[0], completions[0]))
+                                   passes=passes, filler=(prompts[0], completions[0]), max_tokens=budget)
         if hasattr(self.forward, "reshard"):  # FSDP2 keeps the root gathered after a forward (for backward)
             self.forward.reshard()
         out = [0.0] * len(completions)

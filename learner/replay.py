@@ -16,7 +16,8 @@ from typing import Callable, Literal
 import torch
 
 from learner.buffer import Trajectory
-from learner.grpo import pack_sequences, token_logprobs
+from learner.grpo import rows_logprobs
+from learner.packing import layout, micro_batches
 
 Selection = Literal["lowest_entropy", "highest_entropy", "random"]
 
@@ -25,24 +26,21 @@ Selection = Literal["lowest_entropy", "highest_entropy", "random"]
 def score_trajectories(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], metric: str,
                        temperature: float, device: torch.device, batch_sequences: int, pad_id: int,
                        bf16: bool = False, passes: int | None = None,
-                       filler: tuple[list[int], list[int]] | None = None) -> list[float]:
-    """Mean per-token entropy (or NLL) of each completion given its prompt, in one pass per batch. With
-    `passes` (sharded ranks make the same number of forward passes) the passes beyond this rank's own
-    work score `filler` and drop it."""
+                       filler: tuple[list[int], list[int]] | None = None, max_tokens: int | None = None) -> list[float]:
+    """Mean per-token entropy (or NLL) of each completion given its prompt, `batch_sequences` per pass
+    (or packed under the `max_tokens` budget, as the update's micro-batches). With `passes` (sharded
+    ranks make the same number of forward passes) the passes beyond this rank's own work score
+    `filler` and drop it."""
     scores: list[float] = []
-    passes = passes if passes is not None else -(-len(completions) // batch_sequences)
-    for b in range(passes):
-        i = b * batch_sequences
-        p_chunk, c_chunk = prompts[i:i + batch_sequences], completions[i:i + batch_sequences]
-        if not c_chunk:
-            p_chunk, c_chunk = [filler[0]], [filler[1]]
-        packed = pack_sequences(p_chunk, [list(c) for c in c_chunk], pad_id)
-        logp, ent = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                                   temperature, with_entropy=True, bf16=bf16)
-        mask = packed["target_mask"].to(device).float()
+    parts = micro_batches([len(p) + len(c) for p, c in zip(prompts, completions)], batch_sequences, max_tokens)
+    for b in range(passes if passes is not None else len(parts)):
+        part = parts[b] if b < len(parts) else []
+        ps, cs = ([prompts[i] for i in part], [list(completions[i]) for i in part]) if part else ([filler[0]], [filler[1]])
+        rows = layout(ps, cs, pad_id, max_tokens)
+        logp, ent = rows_logprobs(model, rows, device, temperature, with_entropy=True, bf16=bf16)
         per_tok = ent if metric == "entropy" else -logp
-        if i < len(completions):
-            scores += ((per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+        if part:
+            scores += [float(v.mean()) if len(v) else 0.0 for v in rows.split(per_tok)]
     return scores
 
 

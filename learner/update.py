@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
-from learner.grpo import group_advantages, mismatch_kl, pack_sequences, policy_loss, scatter_completion, token_logprobs
+from learner.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
 from learner.loss_scale import LossScale
+from learner.packing import Rows, layout, micro_batches
 from learner.ranks import Ranks, split_by_tokens
 
 log = logging.getLogger("exgrpo_async.learner")
@@ -111,21 +112,31 @@ def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collectin
     return out
 
 
+def _cut(seqs: list[Seq], idx: list[int], L) -> list[list[int]]:
+    """`idx` (positions in `seqs`) in micro-batches, by count or by `max_tokens_per_micro_batch`."""
+    parts = micro_batches([len(seqs[i].prompt) + len(seqs[i].completion) for i in idx], L.micro_batch_sequences,
+                          L.max_tokens_per_micro_batch)
+    return [[idx[k] for k in part] for part in parts]
+
+
+def _rows(micro: list[Seq], pad_id: int, L) -> Rows:
+    return layout([s.prompt for s in micro], [s.completion for s in micro], pad_id, L.max_tokens_per_micro_batch)
+
+
 @torch.no_grad()
-def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, batch: int, temperature: float,
-                    bf16: bool = False, passes: int | None = None, filler: Seq | None = None) -> dict:
-    """Per-completion log-probs under the model as it is now (before the step's first update). With
-    `passes` (sharded ranks: every rank makes the same number of forward passes), passes beyond this
-    rank's own work forward `filler` and discard it."""
+def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, L, temperature: float,
+                    passes: int | None = None, filler: Seq | None = None) -> dict:
+    """Per-completion log-probs under the model as it is now (before the step's first update), in the
+    learner's micro-batches. With `passes` (sharded ranks: every rank makes the same number of forward
+    passes), passes beyond this rank's own work forward `filler` and discard it."""
     out = {}
-    passes = passes if passes is not None else -(-len(seqs) // batch)
-    for p in range(passes):
-        chunk = seqs[p * batch:(p + 1) * batch] or [filler]
-        packed = pack_sequences([s.prompt for s in chunk], [s.completion for s in chunk], pad_id)
-        logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device), temperature,
-                              bf16=bf16)
-        for r, key in enumerate(keys[p * batch:(p + 1) * batch]):
-            out[key] = logp[r][packed["target_mask"][r].to(device)].float().cpu()
+    parts = _cut(seqs, list(range(len(seqs))), L)
+    for p in range(passes if passes is not None else len(parts)):
+        part = parts[p] if p < len(parts) else []
+        rows = _rows([seqs[k] for k in part] or [filler], pad_id, L)
+        logp = rows_logprobs(model, rows, device, temperature, bf16=L.mixed_precision == "bf16")
+        for k, v in zip(part, rows.split(logp)):
+            out[keys[k]] = v.float().cpu()
     return out
 
 
@@ -166,18 +177,17 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
     plan = [_minibatch_plan(seqs, mb, mb_groups, L, settings, ranks.world) for mb in range(L.minibatches_per_step)]
     late = [[i for mb_idx, shares in plan[1:] for i in shares[r] if _needs_pre_logp(seqs[i], correcting, X.pi_past)]
             for r in range(ranks.world)]
-    mbs = L.micro_batch_sequences
-    passes = max(-(-len(x) // mbs) for x in late)
+    passes = max(len(_cut(seqs, x, L)) for x in late)
     mine = late[ranks.rank]
-    pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, mbs, cfg.rollout.temperature,
-                               L.mixed_precision == "bf16", passes, filler=seqs[0] if seqs else None) if passes else {}
+    pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, L, cfg.rollout.temperature,
+                               passes, filler=seqs[0] if seqs else None) if passes else {}
     for mb, (mb_idx, shares) in enumerate(plan):
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
         opt.zero_grad(set_to_none=True)
         mb_loss = 0.0
-        own = shares[ranks.rank]
-        for j in range(max(-(-len(x) // mbs) for x in shares)):
-            idx = own[j * mbs:(j + 1) * mbs]
+        micro = [_cut(seqs, x, L) for x in shares]
+        for j in range(max(len(m) for m in micro)):
+            idx = micro[ranks.rank][j] if j < len(micro[ranks.rank]) else []
             if idx:
                 mb_loss += _micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
             else:
@@ -208,9 +218,8 @@ def _needs_pre_logp(s: Seq, correcting: bool, pi_past: str) -> bool:
 
 def _filler_step(model, s: Seq, cfg: RunConfig, device, pad_id: int) -> None:
     """A forward/backward with zero loss, so this rank joins the collectives of a pass it has no work for."""
-    packed = pack_sequences([s.prompt], [s.completion], pad_id)
-    logp = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                          cfg.rollout.temperature, bf16=cfg.learner.mixed_precision == "bf16")
+    logp = rows_logprobs(model, _rows([s], pad_id, cfg.learner), device, cfg.rollout.temperature,
+                         bf16=cfg.learner.mixed_precision == "bf16")
     (logp.sum() * 0.0).backward()
 
 
@@ -233,28 +242,27 @@ def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict,
     """Forward, loss and backward of one micro-batch; returns its loss (already on the mini-batch's scale)."""
     L, X = cfg.learner, cfg.exgrpo
     micro = [seqs[i] for i in idx]
-    packed = pack_sequences([s.prompt for s in micro], [s.completion for s in micro], pad_id)
-    mask = packed["target_mask"].to(device)
+    rows = _rows(micro, pad_id, L)
+    mask = rows.target_mask.to(device)
     with_entropy = L.entropy_coef > 0
-    out = token_logprobs(model, packed["input_ids"].to(device), packed["attention_mask"].to(device),
-                         cfg.rollout.temperature, with_entropy=with_entropy, bf16=L.mixed_precision == "bf16")
+    out = rows_logprobs(model, rows, device, cfg.rollout.temperature, with_entropy, bf16=L.mixed_precision == "bf16")
     logp, entropy = out if with_entropy else (out, None)
-    behav = scatter_completion([s.logprobs for s in micro], packed["target_mask"]).to(device)
-    replay_rows = torch.tensor([s.replay for s in micro], device=device)
-    if not X.importance_correction and replay_rows.any():  # ablation: pi_past := current recompute
-        behav = torch.where(replay_rows.unsqueeze(-1), logp.detach(), behav)
-    adv = torch.tensor([s.advantage for s in micro], dtype=torch.float32, device=device)
+    behav = rows.place([s.logprobs for s in micro]).to(device)
+    replay_tok = rows.per_token(torch.tensor([s.replay for s in micro])).to(device)  # a replayed sequence's tokens
+    if not X.importance_correction and replay_tok.any():  # ablation: pi_past := current recompute
+        behav = torch.where(replay_tok, logp.detach(), behav)
+    adv = rows.per_token(torch.tensor([s.advantage for s in micro], dtype=torch.float32)).to(device)
     if mb == 0:
         prox = logp.detach()
     else:  # recomputed before the first update; replayed rows keep their own slot
-        prox = scatter_completion([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)],
-                                  packed["target_mask"]).to(device)
+        prox = rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]).to(device)
     correcting = L.off_policy_correction != "none"
-    _mismatch_stats(prox, behav, mask, replay_rows, micro, mb == 0 or correcting, mb == 0, device, res)
-    replay_mask = replay_rows.unsqueeze(-1) & mask if bool(replay_rows.any()) else None
-    loss, st = policy_loss(logp, behav, adv, mask, settings.clip, scale.denominator, replay_mask=replay_mask,
+    own_version = rows.per_token(torch.tensor([s.staleness == 0 for s in micro])).to(device)
+    _mismatch_stats(prox, behav, mask, replay_tok, own_version, mb == 0 or correcting, mb == 0, res)
+    loss, st = policy_loss(logp, behav, adv, mask, settings.clip, scale.denominator,
+                           replay_mask=replay_tok if bool(replay_tok.any()) else None,
                            shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
-                           correction=L.off_policy_correction, cap=L.off_policy_cap)
+                           correction=L.off_policy_correction, cap=L.off_policy_cap, segments=rows.seq_index.to(device))
     if settings.nan_drill:  # fault drill (config)
         loss = loss * float("nan")
     if entropy is not None:
@@ -263,18 +271,18 @@ def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict,
     loss.backward()
     res.stats.append(st)
     if X.pi_past == "learner":
-        for r, i in enumerate(idx):
+        for i, v in zip(idx, rows.split(prox)):
             if seqs[i].collect:
-                res.pi_past[i] = prox[r][mask[r]].float().cpu()
+                res.pi_past[i] = v.float().cpu()
     return float(loss.detach())
 
 
-def _mismatch_stats(prox, behav, mask, replay_rows, micro: list[Seq], kl_valid: bool, first: bool, device,
+def _mismatch_stats(prox, behav, mask, replay_tok, own_version_tok, kl_valid: bool, first: bool,
                     res: UpdateResult) -> None:
     """KL(pi_behav || pi_prox) over fresh tokens, and over tokens sampled with the learner's own version
     (pure numerics), while prox is the pre-update policy; max |logp diff| on the latter."""
-    fresh = (~replay_rows).unsqueeze(-1) & mask
-    own_version = fresh & torch.tensor([s.staleness == 0 for s in micro], device=device).unsqueeze(-1)
+    fresh = ~replay_tok & mask
+    own_version = fresh & own_version_tok
     if kl_valid:
         for key, m in (("mismatch", own_version), ("behaviour", fresh)):
             total, n = mismatch_kl(prox, behav, m)

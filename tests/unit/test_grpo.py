@@ -1,10 +1,10 @@
-"""GRPO maths: advantages, sequence packing, log-probs, and the Dr.GRPO PPO loss."""
+"""GRPO maths: advantages, log-probs, and the Dr.GRPO PPO loss."""
 
 import math
 
 import torch
 
-from learner.grpo import group_advantages, pack_sequences, policy_loss, scatter_completion, token_logprobs
+from learner.grpo import group_advantages, policy_loss, token_logprobs
 
 
 def test_advantages_are_reward_minus_group_mean_without_std():
@@ -12,14 +12,6 @@ def test_advantages_are_reward_minus_group_mean_without_std():
     assert group_advantages([1, 0, 0, 0]) == [0.75, -0.25, -0.25, -0.25]  # std division would give 1.5 / -0.5
     assert group_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]
     assert group_advantages([]) == []
-
-
-def test_pack_marks_positions_that_predict_completion_tokens():
-    p = pack_sequences([[1, 2, 3], [1]], [[7, 8], [9, 9, 9]], pad_id=0)
-    assert p["input_ids"].tolist() == [[1, 2, 3, 7, 8], [1, 9, 9, 9, 0]]
-    assert p["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
-    # logits at position j score token j+1: row 0 scores 7 at j=2 and 8 at j=3
-    assert p["target_mask"].tolist() == [[False, False, True, True], [True, True, True, False]]
 
 
 class Bigram(torch.nn.Module):
@@ -78,12 +70,6 @@ def test_masked_tokens_contribute_nothing():
     a, _ = policy_loss(logp, behav, torch.tensor([1.0]), mask, 0.2, 8.0)
     b, _ = policy_loss(logp, behav_garbage, torch.tensor([1.0]), mask, 0.2, 8.0)
     assert torch.isfinite(b) and torch.allclose(a, b)
-
-
-def test_scatter_completion_places_values_in_target_layout():
-    p = pack_sequences([[1, 2], [1, 2, 3]], [[5, 6, 7], [8]], pad_id=0)
-    out = scatter_completion([torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-4.0])], p["target_mask"])
-    assert out.tolist() == [[0.0, -1.0, -2.0, -3.0], [0.0, 0.0, -4.0, 0.0]]
 
 
 def test_policy_shaping_gradient_is_beta_w_over_w_plus_beta_squared():

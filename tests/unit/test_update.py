@@ -12,7 +12,8 @@ from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.toy import build_model
 from learner.buffer import Trajectory
 from learner.dispatch import WorkItem
-from learner.grpo import pack_sequences, token_logprobs
+from learner.grpo import token_logprobs
+from learner.packing import pad_rows
 from learner.train import _clip
 from learner.update import Seq, StepSettings, assemble, minibatch_order, update_policy
 
@@ -68,10 +69,10 @@ def test_entropy_bonus_is_a_token_sum_over_the_policy_gradient_denominator():
         s.advantage = 0.0  # only the entropy term is left
     coef = 0.05
     res, _, model = _run(_cfg(micro_batch_sequences=5, entropy_coef=coef), seqs, 4)
-    packed = pack_sequences([s.prompt for s in seqs], [s.completion for s in seqs], 0)
+    rows = pad_rows([s.prompt for s in seqs], [s.completion for s in seqs], 0)
     with torch.no_grad():
-        _, ent = token_logprobs(model, packed["input_ids"], packed["attention_mask"], 1.0, with_entropy=True)
-    expected = -coef * float((ent * packed["target_mask"]).sum()) / (len(seqs) * L_MAX)
+        _, ent = token_logprobs(model, rows.input_ids, rows.attention_mask, 1.0, with_entropy=True)
+    expected = -coef * float((ent * rows.target_mask).sum()) / (len(seqs) * L_MAX)
     assert res.losses[0] == pytest.approx(expected, rel=1e-5)
 
 
