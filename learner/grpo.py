@@ -43,7 +43,7 @@ class LogProbs(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
-                with_entropy: bool = False, chunk_tokens: int = 1024,
+                with_entropy: bool = False, chunk_tokens: int = 512,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         targets = input_ids[:, 1:]
         model = self.policy
@@ -66,11 +66,12 @@ class LogProbs(torch.nn.Module):
             lp, en = checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args)
             logps.append(lp)
             ents.append(en)
-        return torch.cat(logps).view(n, t), (torch.cat(ents).view(n, t) if with_entropy else None)
+        # fresh tensors, not views of the concatenation (FSDP2 hooks a module's outputs for its backward)
+        return torch.cat(logps).reshape(n, t).clone(), (torch.cat(ents).reshape(n, t).clone() if with_entropy else None)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024,
+                   temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 512,
                    bf16: bool = False, position_ids: torch.Tensor | None = None):
     """(N, L-1) log-prob of each next token under `model` (a causal LM or its `LogProbs`; logits divided
     by the sampling temperature); with `with_entropy`, also the (N, L-1) entropy of each full
