@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     _config_args(p_train)
     p_train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid "
                          "checkpoint (its config.json is the default config; overrides such as learner.max_steps apply)")
+    p_train.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement, "
+                         "start nothing")
     p_learner = sub.add_parser("learner", parents=[common], help="run the learner process")
     _config_args(p_learner)
     p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
@@ -107,7 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(args.config):
                 print(f"exgrpo-async: --resume {args.resume}: no config.json there (not a run folder?)", file=sys.stderr)
                 return 2
-        return train(_load(args), resume_dir=args.resume)
+        from exgrpo_async.placement import PlacementError
+
+        try:
+            if args.dry_run:
+                from exgrpo_async.launch import dry_run
+
+                return dry_run(_load(args))
+            return train(_load(args), resume_dir=args.resume)
+        except PlacementError as e:
+            print(f"exgrpo-async: placement: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "learner":
         setup_logging("learner", fmt=args.log_format)
         _sigterm_exits()

@@ -168,6 +168,17 @@ class ActorConfig(_Strict):
     """Reward computation."""
 
 
+class PlacementConfig(_Strict):
+    gpus: int | None = Field(None, ge=0)
+    """GPUs of this node that `exgrpo-async train` places processes on (None: every visible CUDA device;
+    0: a CPU run, no placement). exgrpo_async/placement.py."""
+    learner_gpus: list[int] | None = None
+    """The learner ranks' GPUs, one per rank (None: the first `learner.world_size` GPUs)."""
+    actor_gpus: list[list[int]] | None = None
+    """Each local actor's GPUs, `actor.engine.tensor_parallel_size` each (None: the GPUs after the
+    learner's, in order)."""
+
+
 class LearnerConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner trains; "auto" picks cuda when available. Also picks the weight-sync backend."""
@@ -432,6 +443,8 @@ class RunConfig(_Strict):
     """Weight broadcast (torch.distributed)."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus export."""
+    placement: PlacementConfig = PlacementConfig()
+    """Which GPUs `exgrpo-async train` gives the learner ranks and each actor on this node."""
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

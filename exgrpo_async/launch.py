@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
+from exgrpo_async.placement import plan, visible
 
 log = logging.getLogger("exgrpo_async.launch")
 GRACE_S = 20.0
@@ -90,7 +91,29 @@ def learner_rank_envs(env: dict, world_size: int) -> list[dict]:
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(world_size)]
 
 
+def node_gpus(cfg: RunConfig) -> int:
+    """GPUs `train` may place processes on: `placement.gpus`, else the visible CUDA devices (0 on CPU)."""
+    if cfg.placement.gpus is not None:
+        return cfg.placement.gpus
+    if cfg.learner.device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def dry_run(cfg: RunConfig) -> int:
+    """Print the resolved config and the placement; start nothing."""
+    print(cfg.model_dump_json(indent=2))
+    gpu_plan = plan(cfg, node_gpus(cfg))
+    print(gpu_plan.table() if gpu_plan else
+          f"CPU run: {cfg.learner.world_size} learner rank(s) and {cfg.actor.num_actors} actor(s) share the cores"
+          f"{' (actors pinned one per core)' if cfg.actor.pin_cores else ''}")
+    return 0
+
+
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
+    gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
     cfg = resolve_toy(cfg)
     run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg.output_dir)
     cfg.output_dir = str(run_dir)
@@ -112,9 +135,11 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores)
         learner_args = ["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                         *(["--resume"] if resume_dir else [])]
+        learner_env = dict(env, OMP_NUM_THREADS=str(cfg.learner.threads))
+        if gpu_plan:
+            learner_env["CUDA_VISIBLE_DEVICES"] = visible(gpu_plan.learner)
         ranks = [_spawn(learner_args, rank_env, spare)
-                 for rank_env in learner_rank_envs(dict(env, OMP_NUM_THREADS=str(cfg.learner.threads)),
-                                                   cfg.learner.world_size)]
+                 for rank_env in learner_rank_envs(learner_env, cfg.learner.world_size)]
         learner = ranks[0]
         children.append(learner)
         while not (run_dir / "learner.json").exists():
@@ -122,7 +147,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                 raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
             time.sleep(0.2)
         address = json.loads((run_dir / "learner.json").read_text())["address"]
-        actor_args = []
+        actor_args, actor_envs = [], []
         for i in range(cfg.actor.num_actors):
             args = ["actor", "--learner", address]
             if cfg.transport.curve_keys_dir:
@@ -130,7 +155,9 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             if actor_cores[i] is not None:
                 args += ["--cpu-core", str(actor_cores[i])]
             actor_args.append(args)
-            children.append(_spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads))))
+            actor_envs.append(dict(env, OMP_NUM_THREADS=str(cfg.actor.threads),
+                                   **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i])} if gpu_plan else {})))
+            children.append(_spawn(args, actor_envs[i]))
         restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:
             for i, args in enumerate(actor_args):  # a crashed actor is replaced; the learner re-issues its work
@@ -139,7 +166,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                     restarts[i] += 1
                     log.warning("actor %d exited with code %s; restarting it (%d/%d)", i + 1, c.returncode,
                                 restarts[i], cfg.actor.max_restarts)
-                    children[1 + i] = _spawn(args, dict(env, OMP_NUM_THREADS=str(cfg.actor.threads)))
+                    children[1 + i] = _spawn(args, actor_envs[i])
             if any(r.poll() is not None and r.returncode != 0 for r in ranks[1:]):
                 log.error("a learner rank exited with an error; stopping the run (the lead cannot step without it)")
                 break

@@ -1,17 +1,73 @@
-"""Where `exgrpo-async train` puts its processes: an actor per core, the learner on the cores left over."""
+"""The GPU placement planner on nodes of 1, 2, 4 and 8 GPUs (no GPU needed), and `train --dry-run`."""
 
-from exgrpo_async.launch import placement
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exgrpo_async.config import load_config
+from exgrpo_async.placement import PlacementError, plan
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_actors_first_learner_gets_the_rest():
-    assert placement([0, 1, 2, 3], 2, True) == ({2, 3}, [0, 1])
+def _cfg(world=1, actors=1, tp=1, *extra):
+    return load_config(None, [f"learner.world_size={world}", f"actor.num_actors={actors}",
+                              f"actor.engine.tensor_parallel_size={tp}", *extra])
 
 
-def test_no_spare_core_leaves_the_learner_unpinned():
-    assert placement([0, 1], 2, True) == (None, [0, 1])
-    assert placement([0, 1], 3, True) == (None, [0, 1, 0])  # more actors than cores: round robin
+@pytest.mark.parametrize("gpus,world,actors,tp,learner,groups", [
+    (1, 1, 0, 1, [0], []),
+    (2, 1, 1, 1, [0], [[1]]),
+    (4, 2, 1, 2, [0, 1], [[2, 3]]),
+    (8, 4, 2, 2, [0, 1, 2, 3], [[4, 5], [6, 7]]),
+    (8, 1, 7, 1, [0], [[i] for i in range(1, 8)]),
+])
+def test_default_plan_puts_the_learner_first_then_the_actors(gpus, world, actors, tp, learner, groups):
+    p = plan(_cfg(world, actors, tp), gpus)
+    assert p.learner == learner and p.actors == groups
+    assert "learner" in p.table()
 
 
-def test_pinning_off_or_one_core():
-    assert placement([0, 1, 2, 3], 2, False) == (None, [None, None])
-    assert placement([5], 1, True) == (None, [None])
+def test_explicit_lists_are_taken_as_given():
+    p = plan(_cfg(2, 2, 2, "placement.learner_gpus=[6,7]", "placement.actor_gpus=[[0,1],[2,3]]"), 8)
+    assert p.learner == [6, 7] and p.actors == [[0, 1], [2, 3]]
+    assert "unused: GPUs 4,5" in p.table()
+
+
+@pytest.mark.parametrize("gpus,args,why", [
+    (1, (1, 1, 1), "need 1 GPUs besides"),  # the learner takes the only GPU
+    (4, (2, 2, 2), "need 4 GPUs besides"),
+    (8, (2, 1, 2, "placement.actor_gpus=[[2,3,4]]"), "gets 3 GPUs but"),  # TP 2 given 3 GPUs
+    (8, (2, 1, 2, "placement.actor_gpus=[[1,2]]"), "more than one process"),  # overlaps the learner's GPU 1
+    (4, (1, 1, 1, "placement.learner_gpus=[5]"), "do not exist"),
+    (8, (2, 1, 1, "placement.learner_gpus=[0]"), "learner.world_size is 2"),
+    (8, (1, 2, 1, "placement.actor_gpus=[[1]]"), "actor.num_actors is 2"),
+])
+def test_bad_plans_are_clear_errors(gpus, args, why):
+    with pytest.raises(PlacementError, match=why):
+        plan(_cfg(*args), gpus)
+
+
+def test_a_cpu_run_has_no_plan():
+    assert plan(_cfg(2, 2, 1), 0) is None
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*-8gpu.toml")))
+def test_dry_run_prints_the_placement_of_each_shipped_config_quickly(config):
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "train", "--config", str(config), "--dry-run"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "node: 8 GPUs" in proc.stdout and "learner (" in proc.stdout and "actor 1 (TP" in proc.stdout
+    assert time.time() - t0 < 5
+
+
+def test_train_refuses_a_bad_plan_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "train", "placement.gpus=2", "learner.world_size=2",
+                           "actor.num_actors=1", f"output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+    assert proc.returncode == 2 and "placement:" in proc.stderr
+    assert not list(tmp_path.iterdir())  # no run folder, no toy build, no process
