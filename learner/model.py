@@ -45,9 +45,9 @@ def save_policy(model, tokenizer, out_dir: Path, dtype: str | None = None, weigh
     if target is not None:
         sd = {k: v.to(target) for k, v in sd.items()}
     model.save_pretrained(str(out_dir), state_dict=sd)
-    if dtype is not None:  # the config says what the files hold
+    if dtype is not None and getattr(model.config, "dtype", None) != target:  # the config says what the files hold
         cfg = type(model.config).from_pretrained(str(out_dir))
-        cfg.torch_dtype = dtype
+        cfg.dtype = dtype
         cfg.save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
