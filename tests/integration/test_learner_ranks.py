@@ -110,11 +110,12 @@ def runs(tmp_path_factory):
     one = _run(1, model, root / "w1.pt")
     two = _run(2, model, root / "w2.pt")
     resumed = _run(1, model, root / "w2to1.pt", resume=str(root / "ckpt-w2" / "step-000001"))
-    return one, two, resumed
+    resumed_on_two = _run(2, model, root / "w1to2.pt", resume=str(root / "ckpt-w1" / "step-000001"))
+    return one, two, resumed, resumed_on_two
 
 
 def test_two_ranks_train_the_step_of_one(runs):
-    one, two, _ = runs
+    one, two, *_ = runs
     for a, b in zip(one["steps"], two["steps"]):
         assert b["losses"] == pytest.approx(a["losses"], rel=1e-4)
         assert b["norms"] == pytest.approx(a["norms"], rel=1e-4)
@@ -132,17 +133,19 @@ def test_two_ranks_train_the_step_of_one(runs):
 
 
 def test_selection_pass_and_publish_match(runs):
-    one, two, _ = runs
+    one, two, *_ = runs
     assert two["scores"] == pytest.approx(one["scores"], rel=1e-4)
     assert len(one["published"]) == len(two["published"]) > 1
     for a, b in zip(one["published"], two["published"]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-2 * LR)  # the weights, packed
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one(runs):
-    _, two, resumed = runs
-    assert resumed["steps"][0]["losses"] == pytest.approx(two["steps"][2]["losses"], rel=1e-4)
-    _close(resumed["weights"], two["weights"], atol=1e-2 * LR)
+def test_a_checkpoint_resumes_into_another_world_size(runs):
+    one, two, two_to_one, one_to_two = runs
+    assert two_to_one["steps"][0]["losses"] == pytest.approx(two["steps"][2]["losses"], rel=1e-4)
+    _close(two_to_one["weights"], two["weights"], atol=1e-2 * LR)
+    assert one_to_two["steps"][0]["losses"] == pytest.approx(one["steps"][2]["losses"], rel=1e-4)
+    _close(one_to_two["weights"], one["weights"], atol=1e-2 * LR)
 
 
 def _close(got: dict, want: dict, atol: float) -> None:
