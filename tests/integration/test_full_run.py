@@ -91,8 +91,12 @@ def test_exgrpo_run_switches_on_and_replays_experience(small, tmp_path):
     assert max(r["buffer_trajectories"] for r in rows) > 0, f"nothing collected: {trace}"
     replayed = [r for r in rows if r["experience_questions"] > 0]
     assert replayed, f"no experience question reached a batch: {trace}"
-    r = replayed[0]
-    assert r["replay_token_frac"] > 0 and r["replay_w_max"] is not None and math.isfinite(r["replay_w_max"])
+    # an experience group whose fresh samples are all correct too has zero advantages and is not forwarded
+    # (a lone experience group in a batch can be that: seen in CI), so look at the batches that trained replay
+    trained = [r for r in replayed if r["replay_token_frac"] > 0]
+    assert trained, f"replayed trajectories never reached the loss: {trace}"
+    r = trained[0]
+    assert r["replay_w_max"] is not None and math.isfinite(r["replay_w_max"])
     assert sum(r["experience_by_bucket"].values()) == r["experience_questions"]
     assert all(math.isfinite(x["loss"]) for x in rows)
 
