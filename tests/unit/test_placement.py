@@ -1,4 +1,6 @@
-"""The GPU placement planner on nodes of 1, 2, 4 and 8 GPUs (no GPU needed), and `train --dry-run`."""
+"""Where `exgrpo-async train` puts its processes: on CPU an actor per core and the learner on the cores left
+over (`launch.placement`); on a GPU node disjoint GPU sets from the planner (`exgrpo_async.placement.plan`)
+on nodes of 1, 2, 4 and 8 GPUs (no GPU needed), and `train --dry-run`."""
 
 import subprocess
 import sys
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from exgrpo_async.config import load_config
+from exgrpo_async.launch import placement
 from exgrpo_async.placement import PlacementError, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,3 +74,17 @@ def test_train_refuses_a_bad_plan_before_starting_anything(tmp_path):
                           timeout=60)
     assert proc.returncode == 2 and "placement:" in proc.stderr
     assert not list(tmp_path.iterdir())  # no run folder, no toy build, no process
+
+
+def test_actors_first_learner_gets_the_rest():
+    assert placement([0, 1, 2, 3], 2, True) == ({2, 3}, [0, 1])
+
+
+def test_no_spare_core_leaves_the_learner_unpinned():
+    assert placement([0, 1], 2, True) == (None, [0, 1])
+    assert placement([0, 1], 3, True) == (None, [0, 1, 0])  # more actors than cores: round robin
+
+
+def test_pinning_off_or_one_core():
+    assert placement([0, 1, 2, 3], 2, False) == (None, [None, None])
+    assert placement([5], 1, True) == (None, [None])
