@@ -57,6 +57,16 @@ QWEN25_7B = Shape("Qwen2.5-Math-7B", 3584, 18944, 28, 28, 4, 152064, False)
 LLAMA31_8B = Shape("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, False)
 
 
+def qwen2_config(s: Shape, layers: int | None = None, max_positions: int = 8192):
+    """A transformers Qwen2Config of this shape, for random-weight benchmarks (ops/bench)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=s.hidden, intermediate_size=s.intermediate,
+                       num_hidden_layers=s.layers if layers is None else layers, num_attention_heads=s.heads,
+                       num_key_value_heads=s.kv_heads, vocab_size=s.vocab, tie_word_embeddings=s.tied,
+                       max_position_embeddings=max_positions, attn_implementation="sdpa", use_cache=False)
+
+
 def act_per_layer(s: Shape) -> int:
     """Values per token a decoder layer keeps for its backward: norms, q/k/v, attention output and its
     projection, residuals (about 10 h), the MLP's gate, up, activation and product (4 f), rope'd k/v."""

@@ -71,9 +71,10 @@ class Policy:
 
     # ------------------------------------------------------------------ the collective operations
     def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:
-        self.ranks.announce("update", {"seqs": [_encode_seq(s) for s in seqs], "n_groups": n_groups,
-                                       "clip": settings.clip, "nan_drill": settings.nan_drill,
-                                       "updates_before": updates_before})
+        if self.ranks.world > 1:  # no encoding on one rank's step
+            self.ranks.announce("update", {"seqs": [_encode_seq(s) for s in seqs], "n_groups": n_groups,
+                                           "clip": settings.clip, "nan_drill": settings.nan_drill,
+                                           "updates_before": updates_before})
         self.model.train()
         try:
             return update_policy(self.forward, self.opt, seqs, n_groups, self.cfg, settings, self.device, self.pad_id,

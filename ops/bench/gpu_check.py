@@ -41,10 +41,10 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from exgrpo_async.config import RunConfig
-    from learner.memory_model import QWEN25_15B, rank_bytes
+    from learner.memory_model import QWEN25_15B, qwen2_config, rank_bytes
     from learner.policy import shard
     from learner.ranks import Ranks
     from learner.update import Seq, StepSettings, update_policy
@@ -60,11 +60,7 @@ def main() -> None:
     layers = a.layers or s.layers
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=s.hidden, intermediate_size=s.intermediate,
-                                             num_hidden_layers=layers, num_attention_heads=s.heads,
-                                             num_key_value_heads=s.kv_heads, vocab_size=s.vocab,
-                                             tie_word_embeddings=s.tied, max_position_embeddings=a.seq_len,
-                                             attn_implementation="sdpa", use_cache=False, torch_dtype=torch.float32))
+        model = Qwen2ForCausalLM(qwen2_config(s, layers, max_positions=a.seq_len))  # fp32 master weights
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     forward = shard(model, "bf16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from learner.memory_model import QWEN25_05B, step_peak_bytes  # noqa: E402
+from learner.memory_model import QWEN25_05B, qwen2_config, step_peak_bytes  # noqa: E402
 
 
 def _rss(field: str) -> int:
@@ -41,17 +41,14 @@ def _rss(field: str) -> int:
 
 def child(path: str, tokens: int, layers: int, threads: int) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from learner.grpo import _logp_entropy, token_logprobs
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     s = QWEN25_05B
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=layers,
-                                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                                         vocab_size=s.vocab, tie_word_embeddings=True, max_position_embeddings=8192,
-                                         attn_implementation="sdpa", use_cache=False))
+    model = Qwen2ForCausalLM(qwen2_config(s, layers))
     if path == "new":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
