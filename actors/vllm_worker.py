@@ -38,8 +38,9 @@ class WeightSyncExtension:
                 cpu_reload: str = "prepacked") -> bool:
         if cpu_reload not in ("prepacked", "layerwise"):
             raise ValueError(f"cpu_weight_reload must be prepacked or layerwise, not {cpu_reload!r}")
-        # on GPU there is nothing to re-pack: the layerwise reload is a device copy
-        if backend != "gloo" or getattr(self, "_reload_mode", None) == "layerwise":
+        # on GPU there is nothing to re-pack: the layerwise reload is a device copy; a tensor-parallel
+        # worker's loaders take its shard of each tensor, which the swap's records do not follow
+        if backend != "gloo" or world_size > 2 or getattr(self, "_reload_mode", None) == "layerwise":
             cpu_reload = "layerwise"  # (a fallback once taken stays: the swap's shadows were removed)
         self._reload_mode = cpu_reload
         self._prepacked_reload = getattr(self, "_prepacked_reload", None)  # kept across rejoins
@@ -47,7 +48,8 @@ class WeightSyncExtension:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         rank = 1 + int(getattr(self, "rank", 0))  # rank 0 is the learner
         device = torch.device("cpu") if backend == "gloo" else self.device
-        self._ws = WeightReceiver(host, port, prefix, rank, world_size, backend, device, timeout_s)
+        # on GPU two bucket-sized receive buffers beside vLLM's memory share, not a copy of the model
+        self._ws = WeightReceiver(host, port, prefix, rank, world_size, backend, device, timeout_s, ring=backend != "gloo")
         return True
 
     def ws_recv(self, meta: Meta) -> dict:
@@ -106,7 +108,7 @@ class WeightSyncExtension:
         """Receive a broadcast. With the swap ready for these receive buffers, each bucket is staged (loaded
         into shadows, its completed layers re-packed) while the next one is in flight, and the swap is
         returned; otherwise the buckets (views into the receive buffers): a lazy iterator or a list."""
-        buckets = self._ws.receive(meta)
+        buckets = self._ws.receive(meta, keep=not lazy)
         fast = self._prepacked()
         if fast is None:
             return buckets if lazy else list(buckets)

@@ -12,6 +12,17 @@ Protocol of one sync (learner side `WeightPublisher.send`, worker side `WeightRe
   (name, dtype, shape) in Hugging Face parameter names;
 - the learner issues every bucket broadcast at once; the receiver keeps one bucket in flight while it
   loads the previous one into the engine, so the load hides behind the transfer.
+- the learner waits for its broadcasts by polling their completion (for NCCL, events on the
+  collective's own stream: no device-wide synchronize, so one actor's stuck broadcast never holds up
+  the learner's other streams) until `timeout_s`; a broadcast not done by then aborts that actor's
+  group and raises `SyncTimeout`. NCCL's own timeout on the group is set later than ours
+  (`NCCL_GRACE_S`), so its watchdog, which would end the whole learner process, never fires first.
+
+Receive buffers: on CPU (gloo) a worker keeps one flat buffer per bucket across syncs (the pre-packed
+reload replays views into them, actors/cpu_reload.py). On GPU (`ring=True`) it keeps two bucket-sized
+buffers and receives into them in turn, so a TP worker holds at most two buckets beside vLLM's memory
+share, not a copy of the model; a receive whose buckets must outlive the next one (in-flight updates
+stage the whole broadcast before the engine pauses) copies each bucket to host memory as it arrives.
 
 The store listens on the learner's `transport.host` only. Neither it nor the broadcasts are encrypted or
 authenticated: keep them on a trusted network (docs/architecture.md, Security).
@@ -30,6 +41,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 Meta = list[list[tuple[str, str, list[int]]]]  # buckets of (name, dtype name, shape)
+NCCL_GRACE_S = 60.0  # NCCL's watchdog timeout on a weight-sync group: ours plus this
+
+
+class SyncTimeout(TimeoutError):
+    """A broadcast did not complete within `timeout_s`; its group has been aborted."""
 
 
 def make_group(host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
@@ -47,7 +63,7 @@ def make_group(host: str, port: int, prefix: str, rank: int, world_size: int, ba
         return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = timeout + timedelta(seconds=NCCL_GRACE_S)  # our own deadline (wait_all) comes first
         return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
     raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
 
@@ -75,6 +91,19 @@ def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     opts.rootRank = 0
     opts.rootTensor = 0
     return pg.broadcast([tensor], opts)
+
+
+def wait_all(works: list[dist.Work], timeout_s: float, poll_s: float = 0.001) -> None:
+    """Block this thread until every collective in `works` has completed, or raise `SyncTimeout` after
+    `timeout_s`. Completion is polled (`is_completed`: for NCCL, the collective's CUDA events), so no
+    stream and no other thread is made to wait; a failed collective raises here."""
+    deadline = time.monotonic() + timeout_s
+    for w in works:
+        while not w.is_completed():
+            if time.monotonic() >= deadline:
+                raise SyncTimeout(f"broadcast not complete after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+        w.wait()  # raises a failed collective's error (immediate once complete)
 
 
 def _group(name: str) -> str:
@@ -141,6 +170,7 @@ class WeightPublisher:
                                    wait_for_workers=False, master_listen_fd=fd)
         self.host, self.port = host, self.store.port
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self._aborted: list[dist.ProcessGroup] = []  # aborted groups not yet freed (see close_group)
         self._lock = threading.Lock()
         self.version = -1
         self.meta: Meta = []
@@ -193,55 +223,82 @@ class WeightPublisher:
                                       self.timeout_s, store=self.store)
 
     def send(self, key: str, flat: list[torch.Tensor]) -> float:
-        """Broadcast the given packed buckets to one actor's group; returns seconds spent."""
+        """Broadcast the given packed buckets to one actor's group; returns seconds spent. A broadcast
+        not complete within `timeout_s` (the actor died or froze) aborts the group: `SyncTimeout`."""
         t0 = time.perf_counter()
         pg = self.groups[key]
         works = [_broadcast(pg, t) for t in flat]
-        for w in works:
-            w.wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            wait_all(works, self.timeout_s)
+        except SyncTimeout:
+            self.close_group(key, abort=True)
+            raise
         return time.perf_counter() - t0
 
-    def close_group(self, key: str) -> None:
+    def close_group(self, key: str, abort: bool = False) -> None:
+        """Leave an actor's group; `abort` cancels its pending collectives first (a peer that is gone)."""
         pg = self.groups.pop(key, None)
         if pg is not None:
             try:
-                pg.shutdown()
+                if abort:
+                    pg.abort()
+                    # freeing a group blocks until its pending collectives fail (gloo: its own timeout);
+                    # keep the last few aborted ones referenced so this thread goes on at once
+                    self._aborted = self._aborted[-15:] + [pg]
+                else:
+                    pg.shutdown()
             except Exception:  # a dead peer's group may fail to shut down; it is dropped either way
                 pass
 
 
 class WeightReceiver:
-    """Worker side (inside a vLLM worker process): joins its actor's group and yields received buckets."""
+    """Worker side (inside a vLLM worker process): joins its actor's group and yields received buckets.
+
+    `ring=False` (CPU): one persistent buffer per bucket. `ring=True` (GPU): two bucket-sized buffers
+    used in turn, so a bucket's views are valid until the consumer asks for the bucket after next."""
 
     def __init__(self, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
-                 device: torch.device, timeout_s: float):
-        self.device = device
+                 device: torch.device, timeout_s: float, ring: bool = False):
+        self.device, self.ring = device, ring
         self.pg = make_group(host, port, prefix, rank, world_size, backend, timeout_s)
         self._bufs: list[torch.Tensor] = []  # kept across syncs: fresh large buffers cost page faults
         self._plan: list[tuple[str, int]] = []
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The flat receive buffers (one per bucket), reused while the bucket plan stays the same."""
+        """The flat receive buffers (one per bucket), reused while the bucket plan stays the same; with
+        `ring`, the two byte buffers buckets take turns in."""
         return self._bufs
 
-    def receive(self, meta: Meta) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield each bucket as (name, tensor) views while the next bucket is still in flight."""
+    def _buffer(self, i: int, dtype: str, n: int) -> torch.Tensor:
+        if not self.ring:
+            return self._bufs[i]
+        dt = getattr(torch, dtype)
+        return self._bufs[i % 2][:n * dt.itemsize].view(dt)
+
+    def receive(self, meta: Meta, keep: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield each bucket as (name, tensor) views while the next bucket is still in flight. With `ring`
+        and `keep` (the caller holds every bucket until the end), each bucket is copied to host memory."""
         plan = [(b[0][1], sum(_numel(shape) for _, _, shape in b)) for b in meta]
         if plan != self._plan:
-            self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
+            if self.ring:
+                most = max((n * getattr(torch, dt).itemsize for dt, n in plan), default=0)
+                self._bufs = [torch.empty(most, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(plan)))]
+            else:
+                self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
             self._plan = plan
 
         def start(i: int):
-            return self._bufs[i], _broadcast(self.pg, self._bufs[i])
+            buf = self._buffer(i, *plan[i])
+            return buf, _broadcast(self.pg, buf)
 
         pending = start(0) if meta else None
         for i, bucket in enumerate(meta):
             buf, work = pending
             work.wait()
             pending = start(i + 1) if i + 1 < len(meta) else None
+            if self.ring and keep:
+                buf = buf.to("cpu")  # waits for this bucket only; the next one's broadcast is already queued
             out, off = [], 0
             for name, _, shape in bucket:
                 n = _numel(shape)

@@ -56,3 +56,72 @@ def test_publish_casts_fp32_master_weights_to_the_actors_dtype():
     version, meta, flat = pub.snapshot()
     assert {d for b in meta for _, d, _ in b} == {"bfloat16"} and all(t.dtype == torch.bfloat16 for t in flat)
     assert flat[0][:12].float().tolist() == [1.0] * 12  # 1 + 2**-12 rounds to 1 in bf16
+
+
+def _receiver(pub: WeightPublisher, key: str, ring: bool = False):
+    """A rank-1 receiver joined to `key`'s group, built in a thread beside the publisher's open_group."""
+    import threading
+
+    from exgrpo_async.weight_sync import WeightReceiver
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("rx", WeightReceiver(
+        "127.0.0.1", pub.port, f"ws/{key}/", 1, 2, "gloo", torch.device("cpu"), 5, ring=ring)))
+    t.start()
+    pub.open_group(key, 2)
+    t.join(10)
+    return out["rx"]
+
+
+def test_ring_receiver_holds_two_bucket_buffers_and_delivers_every_tensor():
+    import threading
+    import time
+
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=5)
+    pub.bucket_bytes = 4 * 64  # five buckets of at most 64 floats
+    g = torch.Generator().manual_seed(0)
+    named = [(f"layer.{i}.w", torch.randn(8, 8, generator=g)) for i in range(4)] + [("half", torch.randn(6).bfloat16())]
+    pub.publish(1, named)
+    _, meta, flat = pub.snapshot()
+    rx = _receiver(pub, "r", ring=True)
+    for keep in (False, True):
+        sender = threading.Thread(target=pub.send, args=("r", flat))
+        sender.start()
+        got = {}
+        for bucket in rx.receive(meta, keep=keep):
+            time.sleep(0.05)  # a slow load: the next bucket lands meanwhile, and must not land here
+            got.update((n, t.clone()) for n, t in bucket)
+        sender.join(10)
+        assert got.keys() == dict(named).keys() and all(torch.equal(got[n], t) for n, t in named)
+        assert len(rx.buffers) == 2 and all(b.numel() == 4 * 64 for b in rx.buffers)  # two buckets' bytes, not the model
+    rx.close()
+    pub.close_group("r")
+
+
+def test_a_broadcast_the_peer_never_takes_times_out_and_aborts_only_its_group():
+    """A frozen actor's worker never posts its receive: `send` gives up after `timeout_s` with SyncTimeout
+    (no device-wide wait, no hang), drops that group, and another actor's group still works."""
+    import threading
+    import time
+
+    import pytest
+
+    from exgrpo_async.weight_sync import SyncTimeout
+
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=5)
+    pub.publish(1, [("w", torch.randn(4 << 20))])  # 16 MB: more than the socket buffers take unread
+    _, meta, flat = pub.snapshot()
+    frozen, live = _receiver(pub, "frozen"), _receiver(pub, "live")
+    pub.timeout_s = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(SyncTimeout):
+        pub.send("frozen", flat)
+    assert time.monotonic() - t0 < 4 and "frozen" not in pub.groups
+    sender = threading.Thread(target=pub.send, args=("live", flat))
+    sender.start()
+    got = [t.clone() for bucket in live.receive(meta) for _, t in bucket]
+    sender.join(10)
+    assert torch.equal(got[0], flat[0])
+    live.close()
+    frozen.close()
+    pub.close_group("live")
