@@ -7,6 +7,7 @@ chosen before vLLM is imported (in-process engine core, a small KV cache in byte
 Two engines, one per actor loop (`actor.engine.kind`):
 - `VLLMEngine` ("batch"): vLLM's `LLM`; the actor generates a whole batch, then syncs between batches.
     generate(prompts, n, temperature, max_tokens) -> list[(prompt_ids, [Sample...])]
+    tp: int                                      (its workers: the actor's share of its weight-sync group)
     init_weight_sync(host, port, prefix, world_size, backend, timeout_s)
     load_weights(meta, version) -> seconds      (receives a broadcast, then drops stale KV)
     policy_version: int                          (version of the weights now loaded)
@@ -44,6 +45,21 @@ def configure_vllm_env(cfg: EngineConfig, on_cpu: bool) -> None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; would override kv_cache_memory_bytes
         os.environ.setdefault("VLLM_CPU_CI_ENV", "1")  # skip the warm-up pass: eager mode, known KV size
+        if cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.tensor_parallel_size)
+
+
+def cpu_thread_binding(workers: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: this process's cores (its pinning, if any) in
+    that many contiguous shares, "0|1" or "0-3|4-7". vLLM binds by NUMA node otherwise, and refuses
+    more workers than nodes."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < workers:
+        raise ValueError(f"actor.engine.tensor_parallel_size={workers} needs as many CPU cores; this actor has "
+                         f"{len(cores)} ({cores})")
+    share = len(cores) // workers
+    parts = [cores[i * share:(i + 1) * share] for i in range(workers)]
+    return "|".join(",".join(map(str, p)) for p in parts)
 
 
 def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int) -> dict:
@@ -56,12 +72,20 @@ def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on
         logprobs_mode="processed_logprobs",
         use_tqdm_on_load=log_format() != "json",  # a progress bar is not a JSON line
     )
+    kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20
+        if cfg.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"  # one process per worker
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
     return kwargs
+
+
+def engine_workers(vllm_config) -> int:
+    """The engine's real worker count (tensor x pipeline parallel), as vLLM resolved it: the size of
+    the actor's share of its weight-sync group."""
+    return int(vllm_config.parallel_config.world_size)
 
 
 def sampling_params(n: int, temperature: float, max_tokens: int, seed: int | None = None, final_only: bool = False):
@@ -92,7 +116,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
-        self.tp = cfg.tensor_parallel_size if not on_cpu else 1
+        self.tp = engine_workers(self.llm.llm_engine.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
         self.policy_version = 0
@@ -142,9 +166,10 @@ class AsyncVLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed)
-        if on_cpu and cfg.in_process:
+        if on_cpu and cfg.in_process and cfg.tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.tp = engine_workers(self.llm.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
         self.policy_version = 0

@@ -1,13 +1,13 @@
-"""Entry point of an actor process: pin to a core (CPU), then join the learner and run the loop."""
+"""Entry point of an actor process: pin to its cores (CPU), then join the learner and run the loop."""
 
 from __future__ import annotations
 
 import os
 
 
-def main(learner_address: str, cpu_core: int | None, keys_dir: str | None = None) -> int:
-    if cpu_core is not None:
-        os.sched_setaffinity(0, {cpu_core})  # before torch starts its threads
+def main(learner_address: str, cpu_cores: list[int] | None, keys_dir: str | None = None) -> int:
+    if cpu_cores:
+        os.sched_setaffinity(0, set(cpu_cores))  # before torch starts its threads
     import torch
 
     from actors.loop import run

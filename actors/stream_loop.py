@@ -23,7 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups, work_request
+from actors.loop import (Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups, weight_group,
+                          work_request)
 from actors.metrics import ActorMetrics
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
@@ -98,7 +99,8 @@ class StreamActor:
 
     async def session(self, sock: ActorSocket, welcome: dict) -> None:
         """Serve one learner until it says stop (returns) or goes silent (LearnerLost)."""
-        actor_id, ws, e = welcome["actor_id"], welcome["weights"], self.cfg.actor.engine
+        actor_id, e = welcome["actor_id"], self.cfg.actor.engine
+        ws = await self._io(weight_group, sock, self.engine.tp, self.cfg.transport.request_timeout_s)
         await self.engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"],
                                            ws["timeout_s"])
         self.engine.policy_version = -1  # nothing counts until the first broadcast has arrived

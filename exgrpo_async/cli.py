@@ -13,6 +13,17 @@ import signal
 import sys
 
 
+def _core_list(text: str) -> list[int]:
+    """"2" or "2,3": CPU core numbers for --cpu-cores."""
+    try:
+        cores = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of core numbers: {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"bad core list {text!r}")
+    return cores
+
+
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON lines; "
@@ -58,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p_learner.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
     p_actor = sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner")
     p_actor.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
-    p_actor.add_argument("--cpu-core", type=int, help="pin this actor to one CPU core (CPU engines)")
+    p_actor.add_argument("--cpu-cores", "--cpu-core", type=_core_list, metavar="LIST",
+                         help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
                          "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
     p_eval = sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per data source",
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         _sigterm_exits()
         from actors.main import main as actor_main
 
-        return actor_main(args.learner, args.cpu_core, args.keys)
+        return actor_main(args.learner, args.cpu_cores, args.keys)
     if args.cmd == "eval":
         setup_logging("eval", fmt=args.log_format)
         return _eval(args, _load(args))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.placement import plan, visible
+from exgrpo_async.placement import PlacementError, plan, visible
 
 log = logging.getLogger("exgrpo_async.launch")
 GRACE_S = 20.0
@@ -60,14 +60,20 @@ def new_run_dir(output_dir: str) -> Path:
     return run_dir
 
 
-def placement(cores: list[int], num_actors: int, pin: bool) -> tuple[set[int] | None, list[int | None]]:
-    """(the learner's cores, each local actor's core); None leaves placement to the OS. Actors take cores
-    0..n-1 (round robin if there are more actors than cores) and the cores left over go to the learner,
-    so training never steals an actor's core; one core, or `pin=False`, pins nothing."""
+def placement(cores: list[int], num_actors: int, pin: bool, per_actor: int = 1) -> tuple[set[int] | None, list[list[int] | None]]:
+    """(the learner's cores, each local actor's cores); None leaves placement to the OS. Actors take
+    `per_actor` cores each (a tensor-parallel CPU engine: one per worker) from core 0 up, round robin
+    if there are more actors than cores, and the cores left over go to the learner, so training never
+    steals an actor's core; one core, or `pin=False`, pins nothing."""
     if not pin or len(cores) < 2:
         return None, [None] * num_actors
-    spare = set(cores[num_actors:]) if len(cores) > num_actors > 0 else None
-    return spare, [cores[i % len(cores)] for i in range(num_actors)]
+    if per_actor > len(cores):
+        raise ValueError(f"actor.engine.tensor_parallel_size={per_actor} on CPU needs a core per worker; "
+                         f"this machine gives {len(cores)}")
+    used = num_actors * per_actor
+    spare = set(cores[used:]) if len(cores) > used > 0 else None
+    slots = len(cores) // per_actor
+    return spare, [cores[(i % slots) * per_actor:(i % slots + 1) * per_actor] for i in range(num_actors)]
 
 
 def _spawn(args: list[str], env: dict, cores: set[int] | None = None) -> subprocess.Popen:
@@ -112,8 +118,19 @@ def dry_run(cfg: RunConfig) -> int:
     return 0
 
 
+def check_devices(gpu_plan, visible_gpus: int) -> None:
+    """A GPU plan must fit the CUDA devices this process sees (`placement.gpus` may claim more)."""
+    if gpu_plan is not None and gpu_plan.gpus > visible_gpus:
+        raise PlacementError(f"the plan is for {gpu_plan.gpus} GPUs (placement.gpus) but this node shows "
+                             f"{visible_gpus} CUDA device(s); set placement.gpus={visible_gpus} and fewer processes")
+
+
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
+    if gpu_plan is not None:
+        import torch
+
+        check_devices(gpu_plan, torch.cuda.device_count())
     cfg = resolve_toy(cfg)
     run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg.output_dir)
     cfg.output_dir = str(run_dir)
@@ -132,7 +149,8 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
-        spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores)
+        spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores,
+                                       1 if gpu_plan else cfg.actor.engine.tensor_parallel_size)
         learner_args = ["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                         *(["--resume"] if resume_dir else [])]
         learner_env = dict(env, OMP_NUM_THREADS=str(cfg.learner.threads))
@@ -153,7 +171,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             if cfg.transport.curve_keys_dir:
                 args += ["--keys", cfg.transport.curve_keys_dir]
             if actor_cores[i] is not None:
-                args += ["--cpu-core", str(actor_cores[i])]
+                args += ["--cpu-cores", ",".join(map(str, actor_cores[i]))]
             actor_args.append(args)
             actor_envs.append(dict(env, OMP_NUM_THREADS=str(cfg.actor.threads),
                                    **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i])} if gpu_plan else {})))

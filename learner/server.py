@@ -13,6 +13,10 @@ SIGSTOP, a lost host). Either way its outstanding work is re-issued at once and 
 if a presumed-dead actor wakes up, its late rollouts are dropped (their work went out again) and its
 requests are answered "rejoin".
 
+Joining takes two messages: hello (answered with the actor's id and the run's config), then, once
+the actor's engine is up, group with the engine's real worker count (its tensor-parallel size): only
+then is the actor's weight-sync group sized and opened, so every TP worker of the engine is in it.
+
 Malformed messages (bad msgpack, wrong schema version, wrong frame sizes, unknown types or work ids)
 are counted in `counters` and dropped with a warning; they never stop the server.
 """
@@ -39,6 +43,7 @@ from learner.metrics import TargetsFile
 
 log = logging.getLogger("exgrpo_async.learner.server")
 # an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
+MAX_ENGINE_WORKERS = 64  # an engine's workers in one weight-sync group (tensor x pipeline parallel)
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
@@ -61,6 +66,8 @@ class ActorInfo:
     version: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     metrics_address: str | None = None  # its Prometheus endpoint, host:port, as it reported it
+    world: int | None = None  # its weight-sync group's size (1 + the engine's workers), once asked for
+    lost: bool = False  # set by its sync thread when a broadcast timed out: presumed dead
     jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
 
@@ -147,7 +154,11 @@ class LearnerServer:
             self._work(peer, info, head)
         elif kind == "rollouts":
             self._rollouts(info, head, frames[1:])
+        elif kind == "group":
+            self._group(peer, info, head)
         elif kind == "sync":
+            if info.world is None:
+                raise WireError(f"sync from {info.actor_id} before it asked for its weight-sync group")
             version, meta, flat, token = self.publisher.checkout()
             info.jobs.put(("send", info.group_key, flat, token))
             self.sock.send(peer, encode_control("sync", version=version, meta=meta))
@@ -159,21 +170,31 @@ class LearnerServer:
             raise WireError(f"unknown message type {kind!r}")
 
     def _hello(self, peer: bytes, head: dict) -> None:
-        world = 1 + int(head.get("tp", 1))
         self._n_actors += 1
-        # prefix of the group's store keys: 128 random bits, sent only in the welcome (encrypted with curve)
+        # prefix of the group's store keys: 128 random bits, sent only in the group reply (encrypted with curve)
         info = ActorInfo(f"actor-{self._n_actors}", f"{self._n_actors}-{secrets.token_hex(16)}")
         self.actors[peer] = info
         self.counters["hellos"] += 1
-        thread = threading.Thread(target=self._sync_worker, args=(info.jobs,), name=f"weight-sync-{info.actor_id}",
+        thread = threading.Thread(target=self._sync_worker, args=(info,), name=f"weight-sync-{info.actor_id}",
                                   daemon=True)
         thread.start()
         self._sync_threads = [t for t in self._sync_threads if t.is_alive()] + [thread]  # rejoins add threads
-        info.jobs.put(("open", info.group_key, world))
-        ws = {"host": self.publisher.host, "port": self.publisher.port, "prefix": f"ws/{info.group_key}/",
-              "world_size": world, "backend": self.backend, "timeout_s": self.cfg.weight_sync.timeout_s}
-        self.sock.send(peer, encode_control("welcome", actor_id=info.actor_id, config=self.config_json, weights=ws))
+        self.sock.send(peer, encode_control("welcome", actor_id=info.actor_id, config=self.config_json))
         log.info("%s joined from %s (pid %s)", info.actor_id, head.get("host"), head.get("pid"))
+
+    def _group(self, peer: bytes, info: ActorInfo, head: dict) -> None:
+        """Size and open the actor's weight-sync group: rank 0 the learner, then its engine's `tp` workers."""
+        tp = head.get("tp")
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_ENGINE_WORKERS:
+            raise WireError(f"bad tp {tp!r} from {info.actor_id}")
+        if info.world is not None:
+            raise WireError(f"{info.actor_id} asked for its weight-sync group twice")
+        info.world = 1 + tp
+        info.jobs.put(("open", info.group_key, info.world))
+        self.sock.send(peer, encode_control(
+            "group", host=self.publisher.host, port=self.publisher.port, prefix=f"ws/{info.group_key}/",
+            world_size=info.world, backend=self.backend, timeout_s=self.cfg.weight_sync.timeout_s))
+        log.info("%s: weight-sync group of %d (tensor parallel %d)", info.actor_id, info.world, tp)
 
     def _remove(self, peer: bytes) -> int:
         """Forget an actor: re-issue its outstanding work, close its group, end its sync thread."""
@@ -190,11 +211,11 @@ class LearnerServer:
         limit = self.cfg.transport.actor_timeout_s
         now = time.monotonic()
         for peer, info in list(self.actors.items()):
-            if now - info.last_seen > limit:
+            if info.lost or now - info.last_seen > limit:
                 n = self._remove(peer)
                 self.counters["actors_lost"] += 1
-                log.warning("%s silent for %.0fs: presumed dead, %d work items re-issued", info.actor_id,
-                            now - info.last_seen, n)
+                why = "its weight broadcast timed out" if info.lost else f"silent for {now - info.last_seen:.0f}s"
+                log.warning("%s %s: presumed dead, %d work items re-issued", info.actor_id, why, n)
 
     def _update_targets(self) -> None:
         if self.targets is not None:
@@ -274,11 +295,12 @@ class LearnerServer:
         self.inbox.put((item, group))
 
     # ------------------------------------------------------------------ sync thread
-    def _sync_worker(self, jobs: queue.Queue) -> None:
-        """One per actor: opens its group, serves its syncs, closes it. A broadcast blocked on a frozen
-        actor only blocks this thread (until `weight_sync.timeout_s`)."""
+    def _sync_worker(self, info: ActorInfo) -> None:
+        """One per actor: opens its group, serves its syncs, closes it. A broadcast blocked on a frozen or
+        dead actor only blocks this thread, until `weight_sync.timeout_s`: then its group is aborted and
+        the actor presumed dead (the server thread drops it); other actors' groups are untouched."""
         while True:
-            job = jobs.get()
+            job = info.jobs.get()
             if job is None:
                 return
             try:
@@ -296,8 +318,10 @@ class LearnerServer:
                     self.publisher.close_group(job[1])
             except Exception as e:  # a peer that died mid-sync must not take the learner down
                 self.counters["sync_failures"] += 1
-                log.warning("weight-sync job %s for group %s failed: %s", job[0], job[1].split("-")[0], e)
-                self.publisher.close_group(job[1])
+                log.warning("weight-sync job %s for %s failed: %s", job[0], info.actor_id, e)
+                self.publisher.close_group(job[1], abort=True)
+                if job[0] != "close":
+                    info.lost = True
 
     # ------------------------------------------------------------------ shutdown
     def stop(self, wait_for_actors_s: float = 30.0) -> None:

@@ -4,7 +4,8 @@ After a broadcast of perturbed weights, vLLM's greedy continuation must equal th
 its sampled-token log-probs must match the learner's log_softmax: with tied embeddings (the CPU lm_head
 pitfall), without them, and for prompts longer than the 128-token prefix-cache block (stale-KV pitfall);
 through the pre-packed swap (actors/cpu_reload.py, the default) and vLLM's layerwise reload. The
-broadcast uses 1 MB buckets, so the swap stages layers across several buckets.
+broadcast uses 1 MB buckets, so the swap stages layers across several buckets. A tensor-parallel engine
+(TP 2: two vLLM worker processes, one CPU core each) joins with both workers and must match too.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ LONG = ["<bos>" + "1234567890+" * 14 + "5=", "<bos>" + "9876543210-" * 13 + "7="
 def joined(engine: VLLMEngine) -> WeightPublisher:
     """A learner-side publisher (1 MB buckets) whose group the engine's worker has joined."""
     pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=60)
-    t = threading.Thread(target=pub.open_group, args=("a", 2))
+    t = threading.Thread(target=pub.open_group, args=("a", 1 + engine.tp))
     t.start()
-    engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 2, "gloo", 60)
+    engine.init_weight_sync("127.0.0.1", pub.port, "ws/a/", 1 + engine.tp, "gloo", 60)
     t.join()
     return pub
 
@@ -59,16 +60,17 @@ def hf_logprobs(model, prompt_ids: list[int], completion: list[int]) -> torch.Te
     return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("policy,reload", [("tiny_tied", "prepacked"), ("tiny_untied", "prepacked"),
-                                           ("tiny_tied", "layerwise")])
-def test_vllm_matches_learner_after_sync(policy, reload, request):
+@pytest.mark.parametrize("policy,reload,tp", [("tiny_tied", "prepacked", 1), ("tiny_untied", "prepacked", 1),
+                                              ("tiny_tied", "layerwise", 1), ("tiny_untied", "prepacked", 2)])
+def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(request.getfixturevalue(policy))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32, cpu_weight_reload=reload),
-                        on_cpu=True)
+    engine = VLLMEngine(path, ModelConfig(max_model_len=256),
+                        EngineConfig(kv_cache_mb=32, cpu_weight_reload=reload, tensor_parallel_size=tp), on_cpu=True)
+    assert engine.tp == tp  # the engine's real worker count: every worker joins the group
     pub = joined(engine)
     try:
         prompts = SHORT + LONG
@@ -78,8 +80,9 @@ def test_vllm_matches_learner_after_sync(policy, reload, request):
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
             sync(engine, pub, model, version)
-            assert engine.policy_version == version and engine.reload_mode == reload
-            if reload == "prepacked":  # the bucket plan lays fused projections out: no shadow copies
+            # a TP worker loads its shards through vLLM's loaders: the swap is for one worker
+            assert engine.policy_version == version and engine.reload_mode == (reload if tp == 1 else "layerwise")
+            if reload == "prepacked" and tp == 1:  # the bucket plan lays fused projections out: no shadow copies
                 counts = engine.llm.collective_rpc(prepacked_counts)[0]
                 assert counts["direct"] == counts["linear"] > 0, counts
             outs = engine.generate(prompts, 1, 0.0, 24)

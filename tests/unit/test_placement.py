@@ -77,14 +77,41 @@ def test_train_refuses_a_bad_plan_before_starting_anything(tmp_path):
 
 
 def test_actors_first_learner_gets_the_rest():
-    assert placement([0, 1, 2, 3], 2, True) == ({2, 3}, [0, 1])
+    assert placement([0, 1, 2, 3], 2, True) == ({2, 3}, [[0], [1]])
 
 
 def test_no_spare_core_leaves_the_learner_unpinned():
-    assert placement([0, 1], 2, True) == (None, [0, 1])
-    assert placement([0, 1], 3, True) == (None, [0, 1, 0])  # more actors than cores: round robin
+    assert placement([0, 1], 2, True) == (None, [[0], [1]])
+    assert placement([0, 1], 3, True) == (None, [[0], [1], [0]])  # more actors than cores: round robin
 
 
 def test_pinning_off_or_one_core():
     assert placement([0, 1, 2, 3], 2, False) == (None, [None, None])
     assert placement([5], 1, True) == (None, [None])
+
+
+def test_tensor_parallel_cpu_actors_get_a_core_per_worker():
+    assert placement([0, 1, 2, 3, 4], 2, True, per_actor=2) == ({4}, [[0, 1], [2, 3]])
+    assert placement([0, 1], 1, True, per_actor=2) == (None, [[0, 1]])
+    assert placement([0, 1, 2, 3], 3, True, per_actor=2) == (None, [[0, 1], [2, 3], [0, 1]])
+    with pytest.raises(ValueError, match="core per worker"):
+        placement([0, 1], 1, True, per_actor=3)
+
+
+def test_cpu_thread_binding_splits_the_actors_cores_between_its_workers():
+    from actors.engine import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [4, 5, 6, 7]) == "4,5|6,7"
+    with pytest.raises(ValueError, match="needs as many CPU cores"):
+        cpu_thread_binding(2, [3])
+
+
+def test_a_plan_for_more_gpus_than_the_node_shows_is_refused():
+    from exgrpo_async.launch import check_devices
+
+    p = plan(_cfg(4, 2, 2), 8)
+    check_devices(p, 8)
+    check_devices(None, 0)  # a CPU run
+    with pytest.raises(PlacementError, match="shows 1 CUDA device"):
+        check_devices(p, 1)
