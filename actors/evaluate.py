@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from actors.verifier import MathVerifier
 from exgrpo_async.config import EngineConfig, ModelConfig, RunConfig, VerifierConfig
-from exgrpo_async.data import Question, load_pool, render_prompt
+from exgrpo_async.data import Question, load_pool, render_prompt, set_chat_template
 
 log = logging.getLogger("exgrpo_async.eval")
 
@@ -251,6 +251,7 @@ def evaluate(cfg: RunConfig, model: str, files: Sequence[str], samples: int, tem
         log.warning("temperature 0 (greedy): 1 sample per question instead of %d", samples)
         samples = 1
     tokenizer = AutoTokenizer.from_pretrained(model)
+    set_chat_template(tokenizer, d.chat_template)
     questions, prompts, skipped = prepare(files, limit, tokenizer, d.prompt_template, d.system_prompt,
                                           d.use_chat_template)
     lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]

@@ -178,6 +178,27 @@ def load_pool(paths: Sequence[str | Path], skip_bad_rows: bool = False) -> Quest
 
 
 # ----------------------------------------------------------------------------- prompts
+# The ExGRPO authors' template (their Qwen2.5-Math-7B-16k-think model's, used for every Qwen backbone):
+# the system message, the question, and an assistant turn that opens the think block, so generation
+# starts inside it and the reward looks for the answer after "</think>".
+THINK_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] }}"
+    "{%- elif m['role'] == 'user' -%}{{ ' User: This is the problem: ' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ ' Assistant: ' + m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ ' Assistant: <think>\n' }}{%- endif -%}"
+)
+
+
+def set_chat_template(tokenizer: Any, setting: str | None) -> None:
+    """Apply `data.chat_template`: None keeps the tokenizer's own, "think" the authors' template, anything
+    else is taken as a Jinja template."""
+    if setting is not None:
+        tokenizer.chat_template = THINK_CHAT_TEMPLATE if setting == "think" else setting
+
+
 def render_prompt(q: Question, template: str, system_prompt: str | None, use_chat_template: bool,
                   tokenizer: Any) -> str:
     """The prompt for `q`. verl rows (q.messages) always use the chat template, `system_prompt` (if given)

@@ -47,8 +47,17 @@ class Inbox:
         (self.eval if item.purpose == "eval" else self.train).append((item, group))
 
 
-def run_eval(inbox: Inbox, dispatcher: Dispatcher, n_questions: int, cfg: RunConfig, version: int) -> dict:
-    """Score the held-out set with the weights of `version`: avg@n sampled and greedy accuracy."""
+def source_score(by_source: dict[str, float], exclude: list[str]) -> float | None:
+    """The score that picks the best weights: the mean of the sources' accuracies, `exclude` left out
+    (None if nothing is left)."""
+    kept = [acc for src, acc in by_source.items() if src not in exclude]
+    return sum(kept) / len(kept) if kept else None
+
+
+def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunConfig, version: int) -> dict:
+    """Score the held-out set (question i from data source `sources[i]`) with the weights of `version`:
+    avg@n sampled and greedy accuracy, overall and per source, and the best-weights score."""
+    n_questions = len(sources)
     qids = list(range(n_questions))
     inbox.eval.clear()
     dispatcher.add_eval(qids, cfg.rollout.eval_samples, cfg.rollout.eval_temperature, version)
@@ -58,9 +67,15 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, n_questions: int, cfg: RunCon
         inbox.pump(0.5)
     sampled = [r for it, g in inbox.eval if it.temperature > 0 for r in g.rewards]
     greedy = [r for it, g in inbox.eval if it.temperature == 0 for r in g.rewards]
+    per_source: dict[str, list[float]] = {}
+    for it, g in inbox.eval:
+        if it.temperature > 0:
+            per_source.setdefault(sources[it.question_id], []).extend(g.rewards)
+    by_source = {src: sum(r) / len(r) for src, r in sorted(per_source.items())}
     versions = {g.policy_version for _, g in inbox.eval}
     inbox.eval.clear()
     return {"accuracy": sum(sampled) / len(sampled), "greedy_accuracy": sum(greedy) / len(greedy),
+            "by_source": by_source, "score": source_score(by_source, cfg.learner.best_exclude_sources),
             "versions": sorted(versions), "seconds": time.time() - t0}
 
 

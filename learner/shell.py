@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.data import QuestionSampler, load_pool, render_prompt
+from exgrpo_async.data import QuestionSampler, load_pool, render_prompt, set_chat_template
 from exgrpo_async.logs import log_format
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
@@ -63,7 +63,7 @@ class Shell:
                        "verify_errors": 0}
         self.version, self.opt_updates, self.first_sync_checked, self.start_step = 0, 0, False, 1
         self._stopped = False
-        self.summary: dict = {"before": None, "after": None}
+        self.summary: dict = {"before": None, "after": None, "best": None}  # best: step, score, by_source
         self.ckpt_root = run_dir / "checkpoints"
         self.resumed = self._restore() if resume else False
         self._start_server()
@@ -77,6 +77,7 @@ class Shell:
     # ------------------------------------------------------------------ set-up
     def _load_data(self) -> None:
         d, tok = self.cfg.data, self.tokenizer
+        set_chat_template(tok, d.chat_template)  # the exported models carry it too
         train_pool = load_pool(d.train_files, skip_bad_rows=d.skip_bad_rows)
         self.eval_pool = load_pool([d.eval_file], skip_bad_rows=d.skip_bad_rows) if d.eval_file else None
         if train_pool.skipped:
@@ -107,6 +108,7 @@ class Shell:
         self.totals.update(st["totals"])
         self.experience.load_state_dict(st, unpack_ragged(st["prompt_ids_of"]))
         self.start_step, self.summary["before"] = st["step"] + 1, st.get("eval_before")
+        self.summary["best"] = st.get("eval_best")
         _truncate_metrics(self.run_dir / "metrics.jsonl", st["step"])  # rows of the lost steps are written again
         log.info("resumed from %s: step %d, policy version %d", ckpt, st["step"], self.version)
         return True
@@ -271,9 +273,25 @@ class Shell:
         self._next_eval_tokens = self._after(self.totals["tokens"], self.cfg.learner.eval_every_tokens)
         self.metrics_f.write(json.dumps({"step": step, "policy_version": self.version,
                                          "tokens_generated_total": self.totals["tokens"], "eval": ev}) + "\n")
+        self.keep_if_best(step, ev)
+
+    def keep_if_best(self, step: int, ev: dict) -> None:
+        """Export the weights to RUN_DIR/best when this evaluation's score (the mean over the sources
+        other than `learner.best_exclude_sources`) beats every earlier one of the run."""
+        best = self.summary["best"]
+        if ev["score"] is None or (best is not None and ev["score"] <= best["score"]):
+            return
+        out = self.run_dir / "best"
+        save_policy(self.model, self.tokenizer, out, self.cfg.model.dtype,
+                    weights=self.policy.full_state(optimizer=False)[0])
+        self.summary["best"] = {"step": step, "policy_version": self.version, "score": ev["score"],
+                                "by_source": ev["by_source"], "excluded": self.cfg.learner.best_exclude_sources,
+                                "path": str(out)}
+        (out / "best.json").write_text(json.dumps(self.summary["best"], indent=2))
+        log.info("best weights so far (step %d, score %.4f): %s", step, ev["score"], out)
 
     def _eval(self, version: int) -> dict:
-        return run_eval(self.inbox, self.dispatcher, len(self.questions["eval"]), self.cfg, version)
+        return run_eval(self.inbox, self.dispatcher, [q.source for q in self.questions["eval"]], self.cfg, version)
 
     # ------------------------------------------------------------------ checkpoints and the end
     def checkpoint(self, step: int) -> None:
@@ -283,7 +301,7 @@ class Shell:
                  "rng": self.rng.getstate(), "first_sync_checked": self.first_sync_checked,
                  **ex.state_dict(), "prompt_ids_of": pack_ragged(ex.prompt_ids_of),
                  "dispatcher": self.dispatcher.state_dict([it for it, _ in self.inbox.train], self.sampler),
-                 "eval_before": self.summary["before"]}
+                 "eval_before": self.summary["before"], "eval_best": self.summary["best"]}
         t0 = time.time()
         path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.opt, state,
                                ex.buffer if self.cfg.exgrpo.enabled else None, self.cfg.learner.keep_checkpoints,
@@ -295,6 +313,7 @@ class Shell:
         rl_seconds = time.time() - self.t_start
         if self.eval_pool:
             self.summary["after"] = self._eval(self.version)
+            self.keep_if_best(last_step, self.summary["after"])
         save_policy(self.model, self.tokenizer, self.run_dir / "final", self.cfg.model.dtype,
                     weights=self.policy.full_state(optimizer=False)[0])
         self.policy.stop()  # the other learner ranks are done

@@ -253,6 +253,24 @@ def test_render_plain(tokenizer):
         tokenizer.chat_template = None
 
 
+def test_think_template_opens_the_think_block_after_the_luffy_system_prompt(tokenizer):
+    """The authors' template: system message, " User: This is the problem: ", the question, and an
+    assistant turn already inside <think>, so a completion is scored after its "</think>"."""
+    from exgrpo_async.data import set_chat_template
+
+    q = real_pool("exgrpo_luffy/valid.parquet").questions[0]
+    set_chat_template(tokenizer, None)
+    assert tokenizer.chat_template is None  # None keeps the tokenizer's own
+    set_chat_template(tokenizer, "think")
+    try:
+        text = render_prompt(q, "{problem}", None, False, tokenizer)
+        system, question = q.messages[0]["content"], q.messages[1]["content"]
+        assert system.startswith("Your task is to follow a systematic, thorough reasoning process")
+        assert text == f"{system} User: This is the problem: {question} Assistant: <think>\n"
+    finally:
+        tokenizer.chat_template = None
+
+
 # ----------------------------------------------------------------------------- sampler
 def draws(sampler: QuestionSampler, n: int) -> list[int]:
     return [sampler.next() for _ in range(n)]

@@ -131,3 +131,12 @@ def test_cli_rejects_missing_model_and_bad_numbers(capsys):
     assert "--model" in capsys.readouterr().err
     assert cli_main(["eval", "--model", "m", "--data", "x.jsonl", "--samples", "0"]) == 2
     assert "--samples" in capsys.readouterr().err
+
+
+def test_best_weights_score_is_the_mean_over_sources_minerva_left_out():
+    from learner.inbox import source_score
+
+    by_source = {"aime": 0.1, "math": 0.7, "minerva": 0.0, "olympiad_bench": 0.4}
+    assert source_score(by_source, ["minerva"]) == pytest.approx((0.1 + 0.7 + 0.4) / 3)
+    assert source_score(by_source, []) == pytest.approx(1.2 / 4)
+    assert source_score({"minerva": 0.3}, ["minerva"]) is None
