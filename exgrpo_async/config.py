@@ -77,6 +77,11 @@ class DataConfig(_Strict):
     """System message placed before the question when `use_chat_template` is true."""
     use_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (rows in verl format always carry messages)."""
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's (for training, evaluation and the exported
+    models), or "think": the ExGRPO authors' template, "{system} User: This is the problem: {question}
+    Assistant: <think>" + newline, for a backbone whose own template does not open the think block
+    (Qwen2.5-Math-1.5B; their 7B model ships it). None: the tokenizer's own."""
     max_prompt_tokens: int = Field(1024, gt=0)
     """Questions whose prompt is longer than this are skipped and counted, as the authors do."""
     skip_bad_rows: bool = False
@@ -135,7 +140,9 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may use (GPU only)."""
     tensor_parallel_size: int = Field(1, gt=0)
-    """vLLM tensor parallelism per actor (GPU only)."""
+    """vLLM tensor parallelism per actor: its workers split each layer, and all of them join the
+    actor's weight-sync group. On CPU each worker is a process bound to its own share of the actor's
+    cores (VLLM_CPU_OMP_THREADS_BIND), so it needs at least that many cores and `in_process = false`."""
     enforce_eager: bool = True
     """Skip CUDA graphs / compilation. Must stay true on CPU; false is faster on GPU."""
     in_process: bool = True
@@ -149,7 +156,7 @@ class EngineConfig(_Strict):
     swapped in; holds a second set of packed weights while a sync is staged. "layerwise": vLLM's
     layerwise reload after the broadcast (less memory, slower; for in-flight updates the whole reload
     runs with generation stopped). A model the swap cannot handle falls back to layerwise with a
-    warning."""
+    warning; a tensor-parallel engine always uses layerwise."""
 
 
 class ActorConfig(_Strict):
@@ -262,6 +269,10 @@ class LearnerConfig(_Strict):
     on; their questions are re-queued (counted as `stale_dropped`)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on the held-out file every N steps (0: only before and after training)."""
+    best_exclude_sources: list[str] = ["minerva"]
+    """Held-out data sources left out of the score that picks the best weights: the mean over the other
+    sources of each source's sampled accuracy (the authors leave Minerva out). Each evaluation during
+    training that beats the best so far exports its weights to RUN_DIR/best (with best.json)."""
     seed: int = 0
     """Learner seed (question order, torch)."""
     fault_nan_loss_at_steps: list[int] = []

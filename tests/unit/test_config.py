@@ -6,6 +6,7 @@ import pytest
 
 from exgrpo_async.config import RunConfig, config_from_json, load_config
 
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
 
@@ -30,6 +31,31 @@ def test_paper_settings_in_7b_config():
     assert (L.questions_per_step, cfg.rollout.samples_per_question, L.lr, L.weight_decay) == (128, 8, 1e-6, 0.01)
     assert (L.minibatches_per_step, cfg.rollout.max_new_tokens, L.skip_grad_norm, L.max_steps) == (2, 8192, 500.0, 700)
     assert cfg.actor.verifier.require_think and L.betas == (0.9, 0.999)
+
+
+@pytest.mark.parametrize("name,shape", [("qwen2.5-math-1.5b-8gpu.toml", "QWEN25_15B"),
+                                        ("qwen2.5-math-7b-8gpu.toml", "QWEN25_7B")])
+def test_8gpu_configs_are_the_paper_recipe_and_fit_8x80gb(name, shape):
+    """ExGRPO on, LUFFY's system prompt (the very text of the authors' held-out rows), a template that
+    opens <think> for the 1.5B backbone, best weights chosen without Minerva; the planner accepts the
+    placement on 8 GPUs and the memory model puts each learner rank under 80 GB."""
+    from exgrpo_async.data import load_pool
+    from exgrpo_async.placement import plan
+    from learner import memory_model
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    assert cfg.exgrpo.enabled and cfg.exgrpo.rho == 0.5 and cfg.exgrpo.selection == "lowest_entropy"
+    luffy = load_pool([str(DATA / "exgrpo_luffy" / "valid.parquet")]).questions[0].messages[0]["content"]
+    assert cfg.data.system_prompt == luffy and cfg.data.use_chat_template and cfg.actor.verifier.require_think
+    assert cfg.data.chat_template == ("think" if "1.5b" in name else None)  # the 7B model ships the think template
+    assert cfg.learner.best_exclude_sources == ["minerva"] and cfg.learner.eval_every == 10
+    assert cfg.rollout.eval_temperature == 0.6 and cfg.rollout.eval_samples == 1
+    p = plan(cfg, 8)
+    assert len(p.learner) == cfg.learner.world_size and all(len(g) == cfg.actor.engine.tensor_parallel_size
+                                                             for g in p.actors)
+    per_rank = memory_model.rank_bytes(getattr(memory_model, shape), cfg.learner.max_tokens_per_micro_batch,
+                                       cfg.learner.world_size)
+    assert per_rank < 80 * 10**9, f"{per_rank / 1e9:.1f} GB per learner rank"
 
 
 def test_dotted_overrides_with_typed_values():
