@@ -5,7 +5,10 @@ bf16 compute (FSDP2's MixedPrecisionPolicy), gradient checkpointing, sequences p
 budget, the learner's own `update_policy` (loss, IS correction, entropy bonus). Prints peak GPU memory,
 tokens/s and model FLOPs utilisation (6 x non-embedding parameters + the head + attention, per token,
 against the GPU's dense bf16 peak), and the share of master weights one step at lr 1e-6 moved (fp32
-master weights: ~100%; bf16 weights would keep ~2%). Writes JSON.
+master weights: ~100%; bf16 weights would keep ~2%). Then the placement and weight-sync checks of
+ops/bench/gpu_sync_check.py on the same model: the planner against the real device list, the publisher
+packing the model into bf16 buckets, a broadcast into a ring-buffer receiver, a frozen receiver's
+timeout. Writes JSON.
 
     ops/gpu-check                 # on a machine with a GPU (python ops/bench/gpu_check.py)
     .venv/bin/python ops/bench/gpu_check.py --device cpu --layers 2 --steps 1 --tokens-per-step 2048 \
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=65536)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=16384, help="learner.max_tokens_per_micro_batch")
+    ap.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_mb for the sync checks")
     ap.add_argument("--out", default="bench_out/gpu_check.json")
     a = ap.parse_args()
 
@@ -110,8 +114,18 @@ def main() -> None:
            "memory_model_bytes": rank_bytes(s, a.budget, 1) if layers == s.layers else None,
            "mfu": tok_s * flops_per_token / peak_flops if peak_flops else None,
            "master_weights_moved_frac": moved / params}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_sync_check import planner_results, sync_results
+
+    res["placement"] = planner_results(torch.cuda.device_count() if cuda else 0)
+    res["weight_sync"] = sync_results(model, device, a.bucket_mb)
     for k, v in res.items():
-        print(f"{k:28s} {v}")
+        if isinstance(v, dict):
+            print(k)
+            for kk, vv in v.items():
+                print(f"  {kk:40s} {vv}")
+        else:
+            print(f"{k:28s} {v}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     dist.destroy_process_group()
