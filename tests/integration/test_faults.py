@@ -1,6 +1,7 @@
 """Faults during real runs: nothing is lost, nothing stalls, nothing is counted twice.
 
-Every run here is the real `exgrpo-async` (learner + vLLM actor processes) on the toy task. After each
+Every run here is the real `exgrpo-async` (learner + vLLM actor processes) on the toy task, with one
+learner rank and again with two (FSDP2 over gloo: the lead rank serves the actors). After each
 run the learner's question books must balance (`questions_unaccounted == 0`: every training question
 handed out was trained on, re-issued, or is still in flight), every step must be there exactly once,
 and the fault must show in the counters that watch it.
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from exgrpo_async.wire import encode_control
@@ -97,10 +99,12 @@ def send_junk(address: str) -> int:
     return 5
 
 
-def test_kill9_nan_junk_and_elastic_join(small, tmp_path):
+@pytest.mark.parametrize("world", [1, 2], ids=["learner1", "learner2"])
+def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
     out, steps = tmp_path / "runs", 14
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}", "actor.num_actors=1",
+                                 f"learner.world_size={world}",
                                  "learner.fault_nan_loss_at_steps=[3]", "transport.max_message_mb=1",
                                  f"output_dir={out}"]),
                             stdout=log, stderr=subprocess.STDOUT)
@@ -135,10 +139,12 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path):
     assert not [k for k in first_children if alive(k)], "the killed actor's verifier workers outlived it"
 
 
-def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path):
+@pytest.mark.parametrize("world", [1, 2], ids=["learner1", "learner2"])
+def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
     out, steps = tmp_path / "runs", 40  # long enough to outlast the freeze, the detection and the rejoin
     log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}", f"output_dir={out}"]),
+    proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}",
+                                 f"learner.world_size={world}", f"output_dir={out}"]),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         run_dir = wait_for(lambda: next(iter(out.glob("run-*")), None), 300, "the run folder", proc)
