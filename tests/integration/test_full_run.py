@@ -37,6 +37,9 @@ def test_train_runs_end_to_end(small, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["before"]["versions"] == [0] and summary["after"]["versions"] == [3]
     assert summary["syncs"] >= 2 * 3  # each actor received version 0 and at least the later ones it used
+    # the best weights by held-out score (one source here, so its accuracy): only the final eval ran
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    assert best == summary["best"] and best["step"] == 3 and best["score"] == summary["after"]["accuracy"]
     assert "held-out accuracy" in proc.stdout
     report = run_dir / "report" / "report.md"  # written by the learner at the end, its path printed
     assert f"report: {report}" in proc.stdout and "![Reward and pass@1](reward.png)" in report.read_text()
@@ -45,6 +48,21 @@ def test_train_runs_end_to_end(small, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.tie_word_embeddings
+
+
+def test_a_tensor_parallel_actor_joins_with_every_worker_and_trains(small, tmp_path):
+    """One actor whose vLLM engine runs TP 2 (two worker processes, a core each): both workers are ranks
+    of its weight-sync group (3 with the learner), every sync reaches them, and training completes."""
+    out = tmp_path / "runs"
+    proc = subprocess.run(cli(["train", *small, "learner.max_steps=2", "actor.num_actors=1",
+                               "actor.engine.tensor_parallel_size=2", "data.eval_file=none", "metrics.port=none",
+                               f"output_dir={out}"]), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "weight-sync group of 3 (tensor parallel 2)" in proc.stderr
+    (run_dir,) = list(out.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["syncs"] >= 2 and summary["questions_unaccounted"] == 0
+    assert summary["actors_lost"] == 0
 
 
 def test_sigterm_stops_every_child(small, tmp_path):
