@@ -55,3 +55,9 @@ def batch_stats(b: Batch) -> dict:
         "staleness_hist": {str(lag): b.staleness.count(lag) for lag in sorted(set(b.staleness))},
         "truncated_frac": b.truncated / max(1, len(fresh)),
     }
+
+
+def phase_seconds(res: UpdateResult, exgrpo_s: float) -> dict:
+    """Where the lead rank's update went (`recompute_seconds`, `forward_seconds`, `backward_seconds`,
+    `optimizer_seconds`) and ExGRPO's step-end bookkeeping, the selection forward included."""
+    return {**{f"{k}_seconds": v for k, v in res.seconds.items()}, "exgrpo_seconds": exgrpo_s}

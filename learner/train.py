@@ -22,7 +22,7 @@ from pathlib import Path
 from exgrpo_async.config import RunConfig
 from exgrpo_async.report import write_report
 from learner.shell import Shell
-from learner.step_metrics import batch_stats, loss_stats
+from learner.step_metrics import batch_stats, loss_stats, phase_seconds
 from learner.ranks import Ranks
 from learner.update import StepSettings, assemble, minibatch_order
 
@@ -54,11 +54,14 @@ def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> di
             sh.totals["skipped_steps"] += res.skipped
             t_train = time.time() - t_train
 
+            t_ex = time.time()
             ex = sh.experience.end_step(step, batch, res.pi_past, sh.version, sh.dispatcher, sh.policy.score, sh.rng)
+            t_ex = time.time() - t_ex
             t_pub = sh.publish_next_version(res.diff_max)
 
             row = {"step": step, "policy_version": sh.version, **batch_stats(batch), **loss_stats(res),
-                   **sh.step_timings(t_step, t_wait, t_train, t_pub), **sh.run_counters(), **ex}
+                   **sh.step_timings(t_step, t_wait, t_train, t_pub), **phase_seconds(res, t_ex),
+                   **sh.run_counters(), **ex}
             sh.record(row, bar)
             if sh.evaluation_due(step):
                 sh.evaluate_during(step)

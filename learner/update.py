@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +151,27 @@ class UpdateResult:
     pi_past: dict[int, torch.Tensor] = field(default_factory=dict)  # seq index -> pre-update log-probs
     updates: int = 0  # optimizer updates made
     skipped: int = 0  # optimizer updates skipped (bad grad norm)
+    # this rank's seconds per phase: the no-grad pre-update recompute, forwards (with the loss), backwards,
+    # optimizer updates (clip and step); on CUDA the clock waits for the device at each phase end
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+PHASES = ("recompute", "forward", "backward", "optimizer")
+
+
+class _Phase:
+    """Adds the wall time of a `with` block to `res.seconds[name]`."""
+
+    def __init__(self, res: UpdateResult, name: str, device: torch.device):
+        self.res, self.name, self.device = res, name, device
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.res.seconds[self.name] += time.perf_counter() - self.t0
 
 
 @dataclass
@@ -179,8 +201,9 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
             for r in range(ranks.world)]
     passes = max(len(_cut(seqs, x, L)) for x in late)
     mine = late[ranks.rank]
-    pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, L, cfg.rollout.temperature,
-                               passes, filler=seqs[0] if seqs else None) if passes else {}
+    with _Phase(res, "recompute", device):
+        pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, L, cfg.rollout.temperature,
+                                   passes, filler=seqs[0] if seqs else None) if passes else {}
     for mb, (mb_idx, shares) in enumerate(plan):
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
         opt.zero_grad(set_to_none=True)
@@ -191,9 +214,11 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
             if idx:
                 mb_loss += _micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
             else:
-                _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
+                with _Phase(res, "forward", device):
+                    _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
         res.losses.append(mb_loss)
-        _optimizer_step(model, opt, L, updates_before + res.updates, res)
+        with _Phase(res, "optimizer", device):
+            _optimizer_step(model, opt, L, updates_before + res.updates, res)
     if ranks.world > 1:
         _reduce_result(res, ranks)
     return res
@@ -241,34 +266,36 @@ def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict,
                 settings: StepSettings, device, pad_id: int, res: UpdateResult) -> float:
     """Forward, loss and backward of one micro-batch; returns its loss (already on the mini-batch's scale)."""
     L, X = cfg.learner, cfg.exgrpo
-    micro = [seqs[i] for i in idx]
-    rows = _rows(micro, pad_id, L)
-    mask = rows.target_mask.to(device)
-    with_entropy = L.entropy_coef > 0
-    out = rows_logprobs(model, rows, device, cfg.rollout.temperature, with_entropy, bf16=L.mixed_precision == "bf16")
-    logp, entropy = out if with_entropy else (out, None)
-    behav = rows.place([s.logprobs for s in micro]).to(device)
-    replay_tok = rows.per_token(torch.tensor([s.replay for s in micro])).to(device)  # a replayed sequence's tokens
-    if not X.importance_correction and replay_tok.any():  # ablation: pi_past := current recompute
-        behav = torch.where(replay_tok, logp.detach(), behav)
-    adv = rows.per_token(torch.tensor([s.advantage for s in micro], dtype=torch.float32)).to(device)
-    if mb == 0:
-        prox = logp.detach()
-    else:  # recomputed before the first update; replayed rows keep their own slot
-        prox = rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]).to(device)
-    correcting = L.off_policy_correction != "none"
-    own_version = rows.per_token(torch.tensor([s.staleness == 0 for s in micro])).to(device)
-    _mismatch_stats(prox, behav, mask, replay_tok, own_version, mb == 0 or correcting, mb == 0, res)
-    loss, st = policy_loss(logp, behav, adv, mask, settings.clip, scale.denominator,
-                           replay_mask=replay_tok if bool(replay_tok.any()) else None,
-                           shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
-                           correction=L.off_policy_correction, cap=L.off_policy_cap, segments=rows.seq_index.to(device))
-    if settings.nan_drill:  # fault drill (config)
-        loss = loss * float("nan")
-    if entropy is not None:
-        loss = loss - L.entropy_coef * scale.reduce(entropy, mask)
-        st["entropy_sum"] = float((entropy.detach() * mask).sum())
-    loss.backward()
+    with _Phase(res, "forward", device):
+        micro = [seqs[i] for i in idx]
+        rows = _rows(micro, pad_id, L)
+        mask = rows.target_mask.to(device)
+        with_entropy = L.entropy_coef > 0
+        out = rows_logprobs(model, rows, device, cfg.rollout.temperature, with_entropy, bf16=L.mixed_precision == "bf16")
+        logp, entropy = out if with_entropy else (out, None)
+        behav = rows.place([s.logprobs for s in micro]).to(device)
+        replay_tok = rows.per_token(torch.tensor([s.replay for s in micro])).to(device)  # a replayed sequence's tokens
+        if not X.importance_correction and replay_tok.any():  # ablation: pi_past := current recompute
+            behav = torch.where(replay_tok, logp.detach(), behav)
+        adv = rows.per_token(torch.tensor([s.advantage for s in micro], dtype=torch.float32)).to(device)
+        if mb == 0:
+            prox = logp.detach()
+        else:  # recomputed before the first update; replayed rows keep their own slot
+            prox = rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]).to(device)
+        correcting = L.off_policy_correction != "none"
+        own_version = rows.per_token(torch.tensor([s.staleness == 0 for s in micro])).to(device)
+        _mismatch_stats(prox, behav, mask, replay_tok, own_version, mb == 0 or correcting, mb == 0, res)
+        loss, st = policy_loss(logp, behav, adv, mask, settings.clip, scale.denominator,
+                               replay_mask=replay_tok if bool(replay_tok.any()) else None,
+                               shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
+                               correction=L.off_policy_correction, cap=L.off_policy_cap, segments=rows.seq_index.to(device))
+        if settings.nan_drill:  # fault drill (config)
+            loss = loss * float("nan")
+        if entropy is not None:
+            loss = loss - L.entropy_coef * scale.reduce(entropy, mask)
+            st["entropy_sum"] = float((entropy.detach() * mask).sum())
+    with _Phase(res, "backward", device):
+        loss.backward()
     res.stats.append(st)
     if X.pi_past == "learner":
         for i, v in zip(idx, rows.split(prox)):
