@@ -50,7 +50,7 @@ head_addr() {
   if [ -n "${EXGRPO_HEAD_ADDR:-}" ]; then echo "$EXGRPO_HEAD_ADDR"; return; fi
   [ -n "${SLURM_JOB_NODELIST:-}" ] || die "set EXGRPO_HEAD_ADDR (or run under SLURM)"
   local name ip
-  name=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  name=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')  # reads all: no SIGPIPE under pipefail
   ip=$(getent ahostsv4 "$name" | awk 'NR == 1 {print $1}')
   [ -n "$ip" ] || die "cannot resolve node 0 ($name); set EXGRPO_HEAD_ADDR"
   case "$ip" in 127.*) die "node 0 ($name) resolves to $ip, a loopback address; set EXGRPO_HEAD_ADDR to its address on the cluster network";; esac

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from exgrpo_async.config import load_config
 from exgrpo_async.launch import resolve_toy
+from tests.integration.helpers import children_of
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SH = ROOT / "ops" / "slurm" / "node.sh"
@@ -47,17 +48,31 @@ def make_keys(*args: str) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop a node: SIGTERM to node.sh (it forwards it to torchrun and the actors), then SIGKILL its session."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+    """Stop a node still running: SIGTERM to node.sh (it forwards it to torchrun, which stops its ranks,
+    and to the actors), then SIGKILL whatever is left of its tree (torchrun's ranks have sessions of
+    their own, so the tree, not the process group)."""
+    if proc.poll() is not None:
+        return
+    tree = {pid: _cmdline(pid) for pid in children_of(proc.pid)}
+    proc.send_signal(signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session node.sh leads (start_new_session)
-    except ProcessLookupError:
-        pass
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid, cmd in tree.items():
+        if cmd and _cmdline(pid) == cmd:  # still that process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def scrape_actor_target(targets: Path) -> tuple[str, str] | None:
