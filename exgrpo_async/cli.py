@@ -24,6 +24,17 @@ def _core_list(text: str) -> list[int]:
     return cores
 
 
+ADVERTISE_HELP = ("this host's name or address as Prometheus reaches it, listed in the service-discovery file "
+                  "when {key} is a wildcard (0.0.0.0); default: $EXGRPO_ADVERTISE_HOST, else the host's FQDN")
+
+
+def _advertise(host: str | None) -> None:
+    if host:
+        from exgrpo_async.metrics import ADVERTISE_ENV
+
+        os.environ[ADVERTISE_ENV] = host
+
+
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON lines; "
@@ -67,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     _config_args(p_learner)
     p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
     p_learner.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
+    p_learner.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.host"))
     p_actor = sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner")
     p_actor.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
     p_actor.add_argument("--cpu-cores", "--cpu-core", type=_core_list, metavar="LIST",
                          help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
                          "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
+    p_actor.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.actor_host"))
     p_eval = sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per data source",
                             description="Sample N completions per question with vLLM, score them with math-verify, "
                             "print a table and write a JSON report. Prompt settings (data.*), dtype (model.dtype), "
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "learner":
         setup_logging("learner", fmt=args.log_format)
         _sigterm_exits()
+        _advertise(args.advertise_host)
         from learner.main import main as learner_main
 
         if args.resume and not args.run_dir:
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "actor":
         setup_logging("actor", str(os.getpid()), fmt=args.log_format)
         _sigterm_exits()
+        _advertise(args.advertise_host)
         from actors.main import main as actor_main
 
         return actor_main(args.learner, args.cpu_cores, args.keys)

@@ -410,8 +410,10 @@ class MetricsConfig(_Strict):
     """Port of the learner's Prometheus endpoint; 0 picks a free one (written to RUN_DIR/learner.json),
     None turns the endpoint off."""
     actor_host: str = "127.0.0.1"
-    """Address each actor's Prometheus endpoint binds; a node's own address (or 0.0.0.0, advertised
-    under the host name) when Prometheus scrapes actors on other hosts."""
+    """Address each actor's Prometheus endpoint binds; 0.0.0.0 when Prometheus scrapes actors on other
+    hosts. Every actor receives this from the learner's config, so a wildcard endpoint is listed under
+    each host's own address: `--advertise-host` / $EXGRPO_ADVERTISE_HOST (ops/slurm/node.sh sets it),
+    else the host's FQDN."""
     actor_port: int | None = Field(0, ge=0, lt=65536)
     """Port of each actor's Prometheus endpoint; 0 picks a free one (actors report it to the learner,
     which lists it in the service-discovery file), None turns actor endpoints off. A fixed port only

@@ -8,6 +8,7 @@ docs/metrics.md; tests/unit/test_metrics.py checks that the two agree.
 
 from __future__ import annotations
 
+import os
 import socket
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
@@ -20,6 +21,10 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    120.0, 300.0, 600.0)
 # policy-version lag: integers, so each small lag gets its own bucket
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+# This host's name or address as Prometheus reaches it, for endpoints bound to a wildcard address. Per
+# host, unlike the config (which actors receive from the learner): ops/slurm/node.sh sets it on each node.
+ADVERTISE_ENV = "EXGRPO_ADVERTISE_HOST"
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class MetricsEndpoint:
@@ -32,8 +37,11 @@ class MetricsEndpoint:
 
     @property
     def address(self) -> str:
-        """host:port for a scrape target; a wildcard bind is advertised under this host's name."""
-        host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
+        """host:port for a scrape target; a wildcard bind is advertised under $EXGRPO_ADVERTISE_HOST, else
+        this host's name (socket.getfqdn(), which other hosts may not resolve)."""
+        host = self.host
+        if host in WILDCARDS:
+            host = os.environ.get(ADVERTISE_ENV, "").strip() or socket.getfqdn()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def close(self) -> None:

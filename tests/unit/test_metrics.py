@@ -130,6 +130,28 @@ def test_targets_file_follows_membership(tmp_path):
     assert not list(run.glob(".*.tmp")) and not list(sd.glob(".*"))
 
 
+def test_wildcard_endpoint_is_advertised_under_this_hosts_address(monkeypatch):
+    """metrics.actor_host=0.0.0.0 (one value for every actor, from the learner's config): each host says
+    under which name Prometheus reaches it (EXGRPO_ADVERTISE_HOST, set per node by ops/slurm/node.sh)."""
+    import socket
+
+    from exgrpo_async.metrics import MetricsEndpoint
+
+    def endpoint(host: str) -> MetricsEndpoint:  # the address only: no server
+        e = MetricsEndpoint.__new__(MetricsEndpoint)
+        e.host, e.port = host, 9100
+        return e
+
+    monkeypatch.delenv("EXGRPO_ADVERTISE_HOST", raising=False)
+    assert endpoint("0.0.0.0").address == f"{socket.getfqdn()}:9100"
+    monkeypatch.setenv("EXGRPO_ADVERTISE_HOST", "gpu-7.cluster")
+    assert endpoint("0.0.0.0").address == "gpu-7.cluster:9100"
+    assert endpoint("::").address == "gpu-7.cluster:9100"
+    monkeypatch.setenv("EXGRPO_ADVERTISE_HOST", "fd00::7")
+    assert endpoint("0.0.0.0").address == "[fd00::7]:9100"
+    assert endpoint("10.0.0.5").address == "10.0.0.5:9100"  # a bound address is what it is
+
+
 def _exported_names() -> set[str]:
     """Every series the two endpoints export, as the catalog names them (counters with _total)."""
     names = set()
