@@ -42,8 +42,8 @@ from learner.dispatch import Dispatcher, WorkItem
 from learner.metrics import TargetsFile
 
 log = logging.getLogger("exgrpo_async.learner.server")
-# an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
 MAX_ENGINE_WORKERS = 64  # an engine's workers in one weight-sync group (tensor x pipeline parallel)
+# an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
