@@ -4,7 +4,8 @@ Each arm is a real `exgrpo-async train` on the demo's embedded defaults (2 vLLM 
 the cached toy warm start), held-out evaluation off. From metrics.jsonl, the median seconds per step of:
 wait (for rollouts), recompute (no-grad pre-update log-probs of the later mini-batches), forward (with
 the loss), backward, optimizer, exgrpo (step-end bookkeeping with the selection forward), publish, the
-whole step; and the learner's and the actors' idle shares. Steps after the first `--skip`; the ExGRPO arm
+whole step; the learner's and the actors' idle shares; and `steady`, the counted steps' seconds summed
+(the run's wall time without start-up and the first steps). Steps after the first `--skip`; the ExGRPO arm
 counts only steps whose batch mixed in replayed experience (after the delayed start). The last table
 line is the ExGRPO step's learner time (step minus wait) over the GRPO step's: the issue's target is
 1.2x at most.
@@ -48,6 +49,7 @@ def summarize(rows: list[dict], skip: int, mixed_only: bool) -> dict:
     med = lambda k: statistics.median(float(r.get(k) or 0.0) for r in rows)  # noqa: E731
     out = {"steps": len(rows), **{p: med(f"{p}_seconds") for p in PHASES}}
     out["learner"] = statistics.median(r["step_seconds"] - r["wait_seconds"] for r in rows)
+    out["steady"] = sum(r["step_seconds"] for r in rows)  # the counted steps end to end: start-up left out
     out["learner_idle"] = med("learner_idle_frac")
     out["actor_idle"] = statistics.median(r["actor_idle_frac"] for r in rows if r.get("actor_idle_frac") is not None)
     return out
@@ -66,7 +68,7 @@ def main() -> None:
             res[name] = {**summarize(rows, a.skip, mixed_only=name == "exgrpo"), "wall_seconds": wall}
     g, x = res["grpo"], res["exgrpo"]
     print(f"{'median s/step':<16}{'GRPO':>10}{'ExGRPO':>10}")
-    for k in PHASES + ["learner", "learner_idle", "actor_idle"]:
+    for k in PHASES + ["learner", "learner_idle", "actor_idle", "steady"]:
         print(f"{k:<16}{g.get(k, float('nan')):>10.3f}{x.get(k, float('nan')):>10.3f}")
     print(f"{'steps counted':<16}{g['steps']:>10}{x['steps']:>10}")
     if x["steps"]:
