@@ -152,26 +152,44 @@ class UpdateResult:
     updates: int = 0  # optimizer updates made
     skipped: int = 0  # optimizer updates skipped (bad grad norm)
     # this rank's seconds per phase: the no-grad pre-update recompute, forwards (with the loss), backwards,
-    # optimizer updates (clip and step); on CUDA the clock waits for the device at each phase end
+    # optimizer updates (clip and step); on CUDA from events on the compute stream, read once per step
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    events: list = field(default_factory=list, repr=False)  # (phase, start, end) CUDA events not yet read
 
 
 PHASES = ("recompute", "forward", "backward", "optimizer")
 
 
 class _Phase:
-    """Adds the wall time of a `with` block to `res.seconds[name]`."""
+    """Adds the time of a `with` block to `res.seconds[name]`: the wall clock on CPU; on CUDA, events
+    recorded on the current stream (no device-wide synchronize in the step; `_read_phases` reads them)."""
 
     def __init__(self, res: UpdateResult, name: str, device: torch.device):
-        self.res, self.name, self.device = res, name, device
+        self.res, self.name, self.cuda = res, name, device.type == "cuda"
 
     def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.res.seconds[self.name] += time.perf_counter() - self.t0
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.res.events.append((self.name, self.start, end))
+        else:
+            self.res.seconds[self.name] += time.perf_counter() - self.t0
+
+
+def _read_phases(res: UpdateResult) -> None:
+    """Turn the step's CUDA phase events into seconds (waits for the last one only)."""
+    if res.events:
+        res.events[-1][2].synchronize()
+        for name, start, end in res.events:
+            res.seconds[name] += start.elapsed_time(end) / 1000.0
+        res.events.clear()
 
 
 @dataclass
@@ -219,6 +237,7 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
         res.losses.append(mb_loss)
         with _Phase(res, "optimizer", device):
             _optimizer_step(model, opt, L, updates_before + res.updates, res)
+    _read_phases(res)
     if ranks.world > 1:
         _reduce_result(res, ranks)
     return res

@@ -168,3 +168,17 @@ def test_gradient_checkpointing_gives_the_same_gradient():
     assert res.losses[0] == pytest.approx(ref.losses[0], rel=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-7)
+
+
+def test_phase_seconds_account_for_the_update_and_the_recompute():
+    """Each phase's time is recorded: the forward and backward of every micro-batch, the pre-update
+    recompute of the second mini-batch's sequences, the optimizer updates; together within the wall time."""
+    import time
+
+    cfg = _cfg(micro_batch_sequences=3, minibatches_per_step=2)
+    t0 = time.perf_counter()
+    res, _, _ = _run(cfg, _seqs(), 4)
+    wall = time.perf_counter() - t0
+    assert set(res.seconds) == {"recompute", "forward", "backward", "optimizer"}
+    assert all(v > 0 for v in res.seconds.values()), res.seconds
+    assert sum(res.seconds.values()) < wall and not res.events
