@@ -165,7 +165,7 @@ class ActorConfig(_Strict):
     num_actors: int = Field(2, ge=0)
     """Actor processes that `exgrpo-async train` starts locally (more may join with `exgrpo-async actor`)."""
     threads: int = Field(1, gt=0)
-    """torch/OpenMP threads per actor on CPU; actors are pinned one per core when cores allow."""
+    """torch/OpenMP threads per actor on CPU; actors are pinned, a core per vLLM worker, when cores allow."""
     pin_cores: bool = True
     """`exgrpo-async train` pins each local actor to its own core and the learner to the cores left over
     (when there are more cores than actors); false leaves placement to the OS scheduler."""

@@ -114,7 +114,7 @@ def dry_run(cfg: RunConfig) -> int:
     gpu_plan = plan(cfg, node_gpus(cfg))
     print(gpu_plan.table() if gpu_plan else
           f"CPU run: {cfg.learner.world_size} learner rank(s) and {cfg.actor.num_actors} actor(s) share the cores"
-          f"{' (actors pinned one per core)' if cfg.actor.pin_cores else ''}")
+          f"{' (actors pinned, a core per vLLM worker)' if cfg.actor.pin_cores else ''}")
     return 0
 
 
