@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
+from exgrpo_async.layout import balance, resolve
 from exgrpo_async.placement import PlacementError, plan, visible
 
 log = logging.getLogger("exgrpo_async.launch")
@@ -108,13 +109,20 @@ def node_gpus(cfg: RunConfig) -> int:
     return torch.cuda.device_count()
 
 
+def machine_layout(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the layout left unset chosen from this machine's cores and GPUs (layout.py)."""
+    return resolve(cfg, len(os.sched_getaffinity(0)), node_gpus(cfg))
+
+
 def dry_run(cfg: RunConfig) -> int:
     """Print the resolved config and the placement; start nothing."""
+    cfg = machine_layout(cfg)
     print(cfg.model_dump_json(indent=2))
     gpu_plan = plan(cfg, node_gpus(cfg))
     print(gpu_plan.table() if gpu_plan else
-          f"CPU run: {cfg.learner.world_size} learner rank(s) and {cfg.actor.num_actors} actor(s) share the cores"
-          f"{' (actors pinned, a core per vLLM worker)' if cfg.actor.pin_cores else ''}")
+          f"CPU run on {len(os.sched_getaffinity(0))} cores: {cfg.learner.world_size} learner rank(s) of "
+          f"{cfg.learner.threads} thread(s) and {cfg.actor.num_actors} actor(s)"
+          f"{' (actors pinned, a core per vLLM worker; the learner on the cores left)' if cfg.actor.pin_cores else ''}")
     return 0
 
 
@@ -126,6 +134,7 @@ def check_devices(gpu_plan, visible_gpus: int) -> None:
 
 
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
+    cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
     if gpu_plan is not None:
         import torch
@@ -242,4 +251,5 @@ def print_summary(s: dict) -> None:
     print(f"{'generated tokens/s':38s}{s['tokens_per_s']:>20.0f}")
     print(f"{'weight sync, mean broadcast (s)':38s}{s['sync_seconds_mean']:>20.4f}")
     print(f"{'stale groups dropped / skipped steps':38s}{str(s['stale_dropped']) + ' / ' + str(s['skipped_steps']):>20s}")
+    print(balance(s.get("learner_idle_median"), s.get("actor_idle_median")))
     print(f"final model: {s['final_model']}", flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exgrpo_async.config import RunConfig
+from exgrpo_async.layout import resolve
 
 
 class PlacementError(ValueError):
@@ -53,6 +54,8 @@ def plan(cfg: RunConfig, node_gpus: int) -> Plan | None:
         if P.learner_gpus or P.actor_gpus:
             raise PlacementError("placement lists GPUs but the node has none (placement.gpus=0 or no CUDA device)")
         return None
+    if cfg.actor.num_actors is None:  # every GPU the learner does not take (layout.py)
+        cfg = resolve(cfg, 1, n)
     world, tp, actors = cfg.learner.world_size, cfg.actor.engine.tensor_parallel_size, cfg.actor.num_actors
     learner = list(P.learner_gpus) if P.learner_gpus is not None else list(range(world))
     if len(learner) != world:

@@ -43,7 +43,7 @@ class LogProbs(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
-                with_entropy: bool = False, chunk_tokens: int = 512,
+                with_entropy: bool = False, chunk_tokens: int | None = None,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         targets = input_ids[:, 1:]
         model = self.policy
@@ -58,6 +58,7 @@ class LogProbs(torch.nn.Module):
                          **kw).last_hidden_state[:, :-1]
         n, t, h = hidden.shape
         flat_h, flat_t = hidden.reshape(n * t, h), targets.reshape(n * t)
+        chunk_tokens = chunk_tokens or logit_chunk(head.out_features)
         grad = torch.is_grad_enabled() and flat_h.requires_grad
         logps, ents = [], []
         for a in range(0, n * t, chunk_tokens):
@@ -70,15 +71,26 @@ class LogProbs(torch.nn.Module):
         return torch.cat(logps).reshape(n, t).clone(), (torch.cat(ents).reshape(n, t).clone() if with_entropy else None)
 
 
+LOGIT_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 logits per chunk, at least MIN_CHUNK_TOKENS positions
+MIN_CHUNK_TOKENS = 512
+
+
+def logit_chunk(vocab: int) -> int:
+    """Positions per chunk of the output head: 512 for a real vocabulary (152k: 311 MB of fp32 logits),
+    more for a small one, whose logits are cheap (the toy's 100 tokens: one chunk of 41,943 positions;
+    fewer chunks, less per-chunk overhead, 5% of the toy's forward and backward)."""
+    return max(MIN_CHUNK_TOKENS, LOGIT_CHUNK_ELEMENTS // max(1, vocab))
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 512,
+                   temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int | None = None,
                    bf16: bool = False, position_ids: torch.Tensor | None = None):
     """(N, L-1) log-prob of each next token under `model` (a causal LM or its `LogProbs`; logits divided
     by the sampling temperature); with `with_entropy`, also the (N, L-1) entropy of each full
     next-token distribution.
 
     Memory scales with tokens, not vocabulary x tokens: the decoder's hidden states go through the output
-    head `chunk_tokens` positions at a time, each chunk's fp32 logits are reduced to a log-prob and an
+    head `chunk_tokens` positions at a time (default `logit_chunk(vocab)`), each chunk's fp32 logits are reduced to a log-prob and an
     entropy at once, and under autograd each chunk is checkpointed (its logits are recomputed in the
     backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
     `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.launch import new_run_dir, resolve_toy
+from exgrpo_async.layout import standalone_threads
 
 
 def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
     from learner.ranks import Ranks
 
     L = cfg.learner
-    torch.set_num_threads(L.threads)
+    torch.set_num_threads(standalone_threads(cfg))
     ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
     try:
         if ranks.lead:

@@ -18,6 +18,7 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt, set_chat_template
+from exgrpo_async.layout import idle_medians
 from exgrpo_async.logs import log_format
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
@@ -72,6 +73,7 @@ class Shell:
         self._next_eval_tokens = self._after(self.totals["tokens"], L.eval_every_tokens)
         self._n_syncs = self._n_updates = self._empty_buffer_steps = 0
         self._busy: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
+        self._idle: dict[str, list[float]] = {"learner": [], "actor": []}  # per step, for the summary's balance
         self.t_start = self._t_progress = self._stall_warned = self._progress_logged = time.time()
 
     # ------------------------------------------------------------------ set-up
@@ -197,10 +199,13 @@ class Shell:
         updates, self._n_updates = s.update_timings[self._n_updates:], len(s.update_timings)
         busy_before, self._busy = self._busy, dict(s.actor_busy)  # a copy: the server thread writes it
         now = time.time()
+        learner_idle, actor_idle = t_wait / max(1e-9, now - t_step), actor_idle_share(busy_before, self._busy)
+        if actor_idle is not None:
+            self._idle["learner"].append(learner_idle)
+            self._idle["actor"].append(actor_idle)
         return {"sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": now - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
-                "learner_idle_frac": t_wait / max(1e-9, now - t_step),
-                "actor_idle_frac": actor_idle_share(busy_before, self._busy),
+                "learner_idle_frac": learner_idle, "actor_idle_frac": actor_idle,
                 "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
                 "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
                 "update_stall_max_seconds": max((u["stall"] for u in updates), default=None)}
@@ -336,6 +341,7 @@ class Shell:
             "work_released": s.counters["work_released"], "rejoin_requests": s.counters["rejoin_requests"],
             "unknown_work": s.counters["unknown_work"], "actors_joined": s.joined,
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
+            **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),
         })
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))

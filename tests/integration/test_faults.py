@@ -143,7 +143,7 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
 def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
     out, steps = tmp_path / "runs", 40  # long enough to outlast the freeze, the detection and the rejoin
     log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}",
+    proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}", "actor.num_actors=2",
                                  f"learner.world_size={world}", f"output_dir={out}"]),
                             stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -82,7 +82,7 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     port, targets_dir = prometheus
     out = tmp_path / "runs"
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
-    run = subprocess.Popen(cli(["train", "--log-format", "json", *small, f"learner.max_steps={STEPS}",
+    run = subprocess.Popen(cli(["train", "--log-format", "json", *small, f"learner.max_steps={STEPS}", "actor.num_actors=2",
                                 f"output_dir={out}", f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true",
                                 "exgrpo.start_threshold=0.005", "data.eval_file=none"]), stdout=stdout, stderr=stderr)
     seen_targets: dict[str, set] = {}

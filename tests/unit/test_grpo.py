@@ -192,7 +192,7 @@ def test_chunked_logprobs_and_entropy_match_full_logits_values_and_gradients():
         torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
         (lp.sum() + 0.3 * ent.sum()).backward()
         for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5)  # fp32 sums in another order
 
 
 def test_bf16_compute_runs_the_forward_in_bf16_and_reduces_in_fp32():

@@ -1,0 +1,76 @@
+"""The run's layout chosen from the machine: how many local actors generate and how many threads train.
+
+`actor.num_actors` and `learner.threads` left unset (None) are filled in by `resolve` before `train`
+writes the run's config.json, so the run folder records what was chosen:
+- CPU: half the cores generate and the rest train. Each actor takes `actor.engine.tensor_parallel_size`
+  cores (a core per vLLM worker); the learner's ranks share the cores left. On the toy task on 2 cores
+  this is 1 actor and a 1-thread learner, each pinned to its own core: both sides are then busy (at
+  most 18% idle, docs/benchmarks.md "Where the learner's step goes"), where 2 actors left the actors
+  idle 45-55% of the time and slowed the learner by 28%.
+- GPU: every GPU the learner's ranks do not take generates, one tensor-parallel group per actor.
+`balance` reads a run's measured idle shares and says which side to give more (the summary prints it),
+so a user moves cores or GPUs from the idle side to the busy one on the next run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from exgrpo_async.config import RunConfig
+
+IDLE_TARGET = 0.15  # an idle share above this on one side, with the other side busy, is worth a move
+
+
+def resolve(cfg: RunConfig, cores: int, gpus: int) -> RunConfig:
+    """`cfg` with `actor.num_actors` and `learner.threads` set from the machine where they are None
+    (`cores`: CPU cores this process may use; `gpus`: GPUs `train` places processes on, 0 on CPU)."""
+    A, L = cfg.actor, cfg.learner
+    if A.num_actors is not None and L.threads is not None:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    tp = A.engine.tensor_parallel_size
+    if cfg.actor.num_actors is None:
+        if gpus:
+            cfg.actor.num_actors = max(0, gpus - L.world_size) // tp
+            if cfg.actor.num_actors == 0:
+                raise ValueError(f"no GPU left for an actor of TP {tp}: the node has {gpus} and the learner takes "
+                                 f"{L.world_size}; set actor.num_actors=0 to run the learner alone (actors then "
+                                 "join with `exgrpo-async actor`)")
+        else:
+            cfg.actor.num_actors = max(1, (cores // 2) // tp)
+    if cfg.learner.threads is None:
+        generating = 0 if gpus else cfg.actor.num_actors * tp
+        left = cores - generating if cores > generating else 1  # all cores generate: share one
+        cfg.learner.threads = max(1, left // L.world_size)
+    return cfg
+
+
+def standalone_threads(cfg: RunConfig) -> int:
+    """The learner's torch threads outside `train` (its own process, e.g. under torchrun): the configured
+    ones, else this process's cores shared by the ranks on this node."""
+    if cfg.learner.threads is not None:
+        return cfg.learner.threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // local)
+
+
+def balance(learner_idle: float | None, actor_idle: float | None) -> str:
+    """One line on the run's balance from the median idle shares of its steps, and which way to move."""
+    if learner_idle is None or actor_idle is None:
+        return "balance: not measured (too few steps)"
+    line = f"balance: learner idle {learner_idle:.0%}, actors idle {actor_idle:.0%}"
+    if actor_idle > IDLE_TARGET and actor_idle > learner_idle:
+        return line + ": learner-bound; give the learner more (fewer actors, more learner threads or GPUs)"
+    if learner_idle > IDLE_TARGET and learner_idle > actor_idle:
+        return line + ": generation-bound; give the actors more (more actors, cores or GPUs)"
+    return line + ": balanced"
+
+
+def idle_medians(idle: dict[str, list[float]], skip: int = 5) -> dict[str, float | None]:
+    """The summary's median idle shares of the learner and the actors, over the steps after the first
+    `skip` (start-up: the first batches are generated while the learner has nothing to train)."""
+    def median(xs: list[float]) -> float | None:
+        xs = sorted(xs[skip:] if len(xs) > skip else xs)
+        return xs[len(xs) // 2] if xs else None
+
+    return {"learner_idle_median": median(idle["learner"]), "actor_idle_median": median(idle["actor"])}

@@ -1,0 +1,61 @@
+"""The layout chosen from the machine (exgrpo_async/layout.py): how many actors and learner threads a run
+gets when the config leaves them unset, what the planner makes of it on GPU nodes, and the balance
+line the summary prints from measured idle shares."""
+
+import pytest
+
+from exgrpo_async.config import load_config
+from exgrpo_async.layout import balance, idle_medians, resolve
+from exgrpo_async.placement import plan
+
+
+def _cfg(*extra):
+    return load_config(None, list(extra))
+
+
+@pytest.mark.parametrize("cores,tp,world,actors,threads", [
+    (1, 1, 1, 1, 1),  # one core: one actor, the learner shares it
+    (2, 1, 1, 1, 1),  # the demo's machine: a core each
+    (3, 1, 1, 1, 2),
+    (8, 1, 1, 4, 4),
+    (16, 1, 2, 8, 4),  # two learner ranks share the 8 cores left
+    (8, 2, 1, 2, 4),  # TP-2 CPU actors: 2 cores each
+    (2, 2, 1, 1, 1),  # one TP-2 actor takes both cores: the learner gets a thread
+])
+def test_a_cpu_layout_splits_the_cores_between_generating_and_training(cores, tp, world, actors, threads):
+    cfg = resolve(_cfg(f"actor.engine.tensor_parallel_size={tp}", f"learner.world_size={world}"), cores, 0)
+    assert (cfg.actor.num_actors, cfg.learner.threads) == (actors, threads)
+
+
+def test_what_the_config_sets_is_kept():
+    cfg = resolve(_cfg("actor.num_actors=3", "learner.threads=5"), 2, 0)
+    assert (cfg.actor.num_actors, cfg.learner.threads) == (3, 5)
+    cfg = resolve(_cfg("actor.num_actors=0"), 4, 0)  # a learner alone (remote actors): every core trains
+    assert (cfg.actor.num_actors, cfg.learner.threads) == (0, 4)
+
+
+@pytest.mark.parametrize("gpus,world,tp,actors", [(2, 1, 1, 1), (8, 1, 1, 7), (8, 4, 2, 2), (8, 2, 4, 1)])
+def test_on_gpus_every_gpu_the_learner_leaves_generates(gpus, world, tp, actors):
+    cfg = _cfg(f"learner.world_size={world}", f"actor.engine.tensor_parallel_size={tp}")
+    assert resolve(cfg, 16, gpus).actor.num_actors == actors
+    p = plan(cfg, gpus)  # the planner resolves an unset count the same way
+    assert len(p.actors) == actors and all(len(g) == tp for g in p.actors)
+
+
+def test_a_gpu_node_with_no_gpu_left_for_an_actor_is_refused():
+    with pytest.raises(ValueError, match="no GPU left for an actor"):
+        resolve(_cfg(), 16, 1)
+    assert resolve(_cfg("actor.num_actors=0"), 16, 1).actor.num_actors == 0
+
+
+@pytest.mark.parametrize("learner,actor,verdict", [
+    (0.0, 0.46, "learner-bound"), (0.40, 0.02, "generation-bound"), (0.10, 0.12, "balanced"), (None, 0.5, "not measured"),
+])
+def test_balance_says_which_side_to_give_more(learner, actor, verdict):
+    assert verdict in balance(learner, actor)
+
+
+def test_idle_medians_leave_out_the_start():
+    idle = {"learner": [0.9] * 5 + [0.1, 0.2, 0.3], "actor": [0.0] * 5 + [0.5, 0.4, 0.6]}
+    assert idle_medians(idle) == {"learner_idle_median": 0.2, "actor_idle_median": 0.5}
+    assert idle_medians({"learner": [], "actor": []}) == {"learner_idle_median": None, "actor_idle_median": None}
