@@ -171,6 +171,11 @@ class ActorConfig(_Strict):
     pin_cores: bool = True
     """`exgrpo-async train` pins each local actor to its own core and the learner to the cores left over
     (when there are more cores than actors); false leaves placement to the OS scheduler."""
+    nice: int = Field(10, ge=0, le=19)
+    """CPU runs: `exgrpo-async train` starts local actors this much nicer (lower priority) than the
+    learner. The learner's step is the critical path; with actors on every core, the scheduler then
+    gives the learner a core whenever it trains and the actors every cycle it leaves (cores lent from
+    the idle side to the busy one as the run goes). 0: equal priority. Not applied on GPU nodes."""
     engine: EngineConfig = EngineConfig()
     """The vLLM engine of each actor."""
     verifier: VerifierConfig = VerifierConfig()

@@ -77,11 +77,13 @@ def placement(cores: list[int], num_actors: int, pin: bool, per_actor: int = 1) 
     return spare, [cores[(i % slots) * per_actor:(i % slots + 1) * per_actor] for i in range(num_actors)]
 
 
-def _spawn(args: list[str], env: dict, cores: set[int] | None = None) -> subprocess.Popen:
+def _spawn(args: list[str], env: dict, cores: set[int] | None = None, nice: int = 0) -> subprocess.Popen:
     def setup() -> None:
         _die_with_parent()
         if cores:
             os.sched_setaffinity(0, cores)
+        if nice:
+            os.nice(nice)
 
     return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=setup)
 
@@ -175,6 +177,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             time.sleep(0.2)
         address = json.loads((run_dir / "learner.json").read_text())["address"]
         actor_args, actor_envs = [], []
+        actor_nice = 0 if gpu_plan else cfg.actor.nice
         for i in range(cfg.actor.num_actors):
             args = ["actor", "--learner", address]
             if cfg.transport.curve_keys_dir:
@@ -184,7 +187,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             actor_args.append(args)
             actor_envs.append(dict(env, OMP_NUM_THREADS=str(cfg.actor.threads),
                                    **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i])} if gpu_plan else {})))
-            children.append(_spawn(args, actor_envs[i]))
+            children.append(_spawn(args, actor_envs[i], nice=actor_nice))
         restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:
             for i, args in enumerate(actor_args):  # a crashed actor is replaced; the learner re-issues its work
@@ -193,7 +196,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                     restarts[i] += 1
                     log.warning("actor %d exited with code %s; restarting it (%d/%d)", i + 1, c.returncode,
                                 restarts[i], cfg.actor.max_restarts)
-                    children[1 + i] = _spawn(args, actor_envs[i])
+                    children[1 + i] = _spawn(args, actor_envs[i], nice=actor_nice)
             if any(r.poll() is not None and r.returncode != 0 for r in ranks[1:]):
                 log.error("a learner rank exited with an error; stopping the run (the lead cannot step without it)")
                 break
