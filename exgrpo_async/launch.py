@@ -124,7 +124,8 @@ def dry_run(cfg: RunConfig) -> int:
     print(gpu_plan.table() if gpu_plan else
           f"CPU run on {len(os.sched_getaffinity(0))} cores: {cfg.learner.world_size} learner rank(s) of "
           f"{cfg.learner.threads} thread(s) and {cfg.actor.num_actors} actor(s)"
-          f"{' (actors pinned, a core per vLLM worker; the learner on the cores left)' if cfg.actor.pin_cores else ''}")
+          f"{' (actors pinned, a core per vLLM worker)' if cfg.actor.pin_cores else ''}, actors {cfg.actor.nice} nicer "
+          "than the learner")
     return 0
 
 

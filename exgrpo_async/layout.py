@@ -2,11 +2,13 @@
 
 `actor.num_actors` and `learner.threads` left unset (None) are filled in by `resolve` before `train`
 writes the run's config.json, so the run folder records what was chosen:
-- CPU: half the cores generate and the rest train. Each actor takes `actor.engine.tensor_parallel_size`
-  cores (a core per vLLM worker); the learner's ranks share the cores left. On the toy task on 2 cores
-  this is 1 actor and a 1-thread learner, each pinned to its own core: both sides are then busy (at
-  most 18% idle, docs/benchmarks.md "Where the learner's step goes"), where 2 actors left the actors
-  idle 45-55% of the time and slowed the learner by 28%.
+- CPU: every core generates and the learner trains on half of them. Each actor takes
+  `actor.engine.tensor_parallel_size` cores (a core per vLLM worker) and runs `actor.nice` nicer than
+  the learner, so the learner, whose step is the critical path, takes its cores whenever it trains
+  and the actors every cycle it leaves: cores lent from the idle side to the busy one as the run goes.
+  On the toy task on 2 cores (2 actors, a 1-thread learner, 16 questions per request) the learner
+  idles 23% and the actors 10%, against 53% learner idle with 1 actor and a core each, and a learner
+  at half speed with 2 actors of equal priority (docs/benchmarks.md "Where the learner's step goes").
 - GPU: every GPU the learner's ranks do not take generates, one tensor-parallel group per actor.
 `balance` reads a run's measured idle shares and says which side to give more (the summary prints it),
 so a user moves cores or GPUs from the idle side to the busy one on the next run.
@@ -37,11 +39,9 @@ def resolve(cfg: RunConfig, cores: int, gpus: int) -> RunConfig:
                                  f"{L.world_size}; set actor.num_actors=0 to run the learner alone (actors then "
                                  "join with `exgrpo-async actor`)")
         else:
-            cfg.actor.num_actors = max(1, (cores // 2) // tp)
+            cfg.actor.num_actors = max(1, cores // tp)
     if cfg.learner.threads is None:
-        generating = 0 if gpus else cfg.actor.num_actors * tp
-        left = cores - generating if cores > generating else 1  # all cores generate: share one
-        cfg.learner.threads = max(1, left // L.world_size)
+        cfg.learner.threads = max(1, (cores // 2) // L.world_size)
     return cfg
 
 

@@ -15,12 +15,12 @@ def _cfg(*extra):
 
 @pytest.mark.parametrize("cores,tp,world,actors,threads", [
     (1, 1, 1, 1, 1),  # one core: one actor, the learner shares it
-    (2, 1, 1, 1, 1),  # the demo's machine: a core each
-    (3, 1, 1, 1, 2),
-    (8, 1, 1, 4, 4),
-    (16, 1, 2, 8, 4),  # two learner ranks share the 8 cores left
-    (8, 2, 1, 2, 4),  # TP-2 CPU actors: 2 cores each
-    (2, 2, 1, 1, 1),  # one TP-2 actor takes both cores: the learner gets a thread
+    (2, 1, 1, 2, 1),  # the demo's machine: an actor per core, a 1-thread learner over them
+    (3, 1, 1, 3, 1),
+    (8, 1, 1, 8, 4),
+    (16, 1, 2, 16, 4),  # two learner ranks share half the cores
+    (8, 2, 1, 4, 4),  # TP-2 CPU actors: 2 cores each
+    (2, 2, 1, 1, 1),  # one TP-2 actor takes both cores
 ])
 def test_a_cpu_layout_splits_the_cores_between_generating_and_training(cores, tp, world, actors, threads):
     cfg = resolve(_cfg(f"actor.engine.tensor_parallel_size={tp}", f"learner.world_size={world}"), cores, 0)
@@ -30,8 +30,8 @@ def test_a_cpu_layout_splits_the_cores_between_generating_and_training(cores, tp
 def test_what_the_config_sets_is_kept():
     cfg = resolve(_cfg("actor.num_actors=3", "learner.threads=5"), 2, 0)
     assert (cfg.actor.num_actors, cfg.learner.threads) == (3, 5)
-    cfg = resolve(_cfg("actor.num_actors=0"), 4, 0)  # a learner alone (remote actors): every core trains
-    assert (cfg.actor.num_actors, cfg.learner.threads) == (0, 4)
+    cfg = resolve(_cfg("actor.num_actors=0"), 4, 0)
+    assert (cfg.actor.num_actors, cfg.learner.threads) == (0, 2)
 
 
 @pytest.mark.parametrize("gpus,world,tp,actors", [(2, 1, 1, 1), (8, 1, 1, 7), (8, 4, 2, 2), (8, 2, 4, 1)])

@@ -1,0 +1,162 @@
+"""Time to accuracy against TRL: the demo and TRL's GRPOTrainer from one frozen warm start, over seeds.
+
+The peer harness (../shared/tools/peer/trl_toy.py, its own venv: see its README) trains TRL on the
+project's toy task and scores any saved policy with one evaluator (held-out avg@8 at T=1, and greedy).
+This script runs, one at a time on an otherwise idle machine:
+- ours: `exgrpo-async train` on its embedded defaults (the layout chosen from the machine) for
+  `--steps` steps per seed (`learner.seed`), a checkpoint every `--every` steps; each checkpoint's
+  policy is scored by the harness's evaluator, its time being the run's step seconds summed up to it
+  (training from the first step on: the actors' start-up and the before-evaluation left out);
+- TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
+  for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
+  the harness's training seconds (set-up and evaluations left out).
+It prints, per system, the medians over seeds of accuracy against seconds, and our time to TRL's final
+accuracy (the first checkpoint whose median reaches TRL's median final avg@8) over TRL's time; writes
+OUT/peer.json.
+
+    .venv/bin/python ops/bench/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
+        [--peer-py bench_out/peer-venv/bin/python] [--harness ../shared/tools/peer/trl_toy.py] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS_SFT_KEY = 150.0  # the harness names the warm start by recipe_key(seed, --sft-seconds), default 150.0
+
+
+def sh(args: list, log: Path) -> float:
+    t0 = time.time()
+    with open(log, "w") as f:
+        if subprocess.run([str(a) for a in args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"failed: {' '.join(map(str, args))} (log: {log})")
+    return time.time() - t0
+
+
+def freeze(src_cache: Path, out: Path) -> Path:
+    """Copy the demo's warm start into OUT/toycache, and name it as the harness looks it up too."""
+    from exgrpo_async.toy import recipe_key
+
+    key = f"toy-{recipe_key(0, 600)}"
+    cache = out / "toycache"
+    if not (cache / key / "done").exists():
+        if not (src_cache / key / "done").exists():
+            raise SystemExit(f"no warm start in {src_cache / key}: run `exgrpo-async train` once")
+        shutil.copytree(src_cache / key, cache / key, dirs_exist_ok=True)
+    alias = cache / f"toy-{recipe_key(0, HARNESS_SFT_KEY)}"
+    if not alias.exists():
+        alias.symlink_to(key)
+    return cache
+
+
+def evaluate(a, cache: Path, model: Path, log: Path) -> dict:
+    sh([a.peer_py, a.harness, "--main", REPO, "--cache", cache, "--eval-only", model], log)
+    return json.loads(log.read_text().strip().splitlines()[-1])
+
+
+def ours(a, cache: Path, seed: int, extra: list[str]) -> list[dict]:
+    """Accuracy of each checkpoint of one seed's run against its training seconds."""
+    out = Path(a.out) / f"ours-s{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    sh([sys.executable, "-m", "exgrpo_async.cli", "train", f"toy.cache_dir={cache}", f"output_dir={out}",
+        f"learner.max_steps={a.steps}", f"learner.seed={seed}", f"learner.checkpoint_every={a.every}",
+        f"learner.keep_checkpoints={a.steps // a.every + 1}", "metrics.port=none", *extra], Path(a.out) / f"ours-s{seed}.log")
+    (run,) = out.glob("run-*")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    seconds = {r["step"]: s for r, s in zip(rows, _cumsum([r["step_seconds"] for r in rows]))}
+    points = []
+    for ck in sorted(run.glob("checkpoints/step-*"), key=lambda p: int(p.name.split("-")[1])):
+        step = int(ck.name.split("-")[1])
+        ev = evaluate(a, cache, ck / "model", Path(a.out) / f"ours-s{seed}-eval{step}.log")
+        points.append({"step": step, "seconds": seconds[step], "accuracy": ev["accuracy"],
+                       "greedy_accuracy": ev["greedy_accuracy"]})
+    summary = json.loads((run / "summary.json").read_text())
+    points[-1]["rl_seconds"] = summary["rl_seconds"]
+    points[-1]["balance"] = {k: summary.get(k) for k in ("learner_idle_median", "actor_idle_median")}
+    return points
+
+
+def trl(a, cache: Path, seed: int) -> dict:
+    out = Path(a.out) / f"trl-{a.trl}-s{seed}"
+    sh([a.peer_py, a.harness, "--main", REPO, "--cache", cache, "--steps", a.steps, "--generation",
+        "transformers" if a.trl == "hf" else "vllm", "--seed", seed, "--out", out], Path(a.out) / f"trl-s{seed}.log")
+    r = json.loads((out / "result.json").read_text())
+    return {"step": r["steps"], "seconds": r["seconds"], "accuracy": r["after"]["accuracy"],
+            "greedy_accuracy": r["after"]["greedy_accuracy"], "before": r["before"]}
+
+
+def _cumsum(xs: list[float]) -> list[float]:
+    out, t = [], 0.0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out
+
+
+def table(res: dict) -> str:
+    med = statistics.median
+    lines = ["| system | step | train s (median) | avg@8 median [min, max] | greedy median [min, max] |",
+             "|---|---|---|---|---|"]
+    for name, runs in res.items():
+        for i in range(len(runs[0])):
+            pts = [r[i] for r in runs]
+            acc, gr = [p["accuracy"] for p in pts], [p["greedy_accuracy"] for p in pts]
+            lines.append(f"| {name} | {pts[0]['step']} | {med(p['seconds'] for p in pts):.1f} | "
+                         f"{med(acc):.3f} [{min(acc):.3f}, {max(acc):.3f}] | {med(gr):.3f} [{min(gr):.3f}, {max(gr):.3f}] |")
+    return "\n".join(lines)
+
+
+def time_to(res: dict) -> dict | None:
+    """Our median time to TRL's median final avg@8, over TRL's median time."""
+    if "trl" not in res or "ours" not in res:
+        return None
+    med = statistics.median
+    target, trl_s = med(r[-1]["accuracy"] for r in res["trl"]), med(r[-1]["seconds"] for r in res["trl"])
+    for i in range(len(res["ours"][0])):
+        pts = [r[i] for r in res["ours"]]
+        if med(p["accuracy"] for p in pts) >= target:
+            s = med(p["seconds"] for p in pts)
+            return {"target_avg8": target, "trl_seconds": trl_s, "ours_step": pts[0]["step"], "ours_seconds": s,
+                    "ratio": s / trl_s}
+    return {"target_avg8": target, "trl_seconds": trl_s, "ours_step": None, "ours_seconds": None, "ratio": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--every", type=int, default=25, help="our checkpoint (and evaluation) interval, steps")
+    ap.add_argument("--systems", default="ours,trl")
+    ap.add_argument("--trl", choices=["hf", "vllm"], default="hf", help="TRL's generation: transformers or vLLM")
+    ap.add_argument("--out", default="bench_out/peer")
+    ap.add_argument("--peer-py", default="bench_out/peer-venv/bin/python")
+    ap.add_argument("--harness", default=str(REPO.parent / "shared/tools/peer/trl_toy.py"))
+    ap.add_argument("--src-cache", default="~/.cache/exgrpo_async")
+    a, extra = ap.parse_known_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = freeze(Path(a.src_cache).expanduser(), out)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    res: dict[str, list] = {}
+    for system in a.systems.split(","):
+        for seed in seeds:
+            pts = ours(a, cache, seed, extra) if system == "ours" else [trl(a, cache, seed)]
+            res.setdefault(system, []).append(pts)
+            print(system, seed, json.dumps(pts[-1]), flush=True)
+    print(table(res))
+    tt = time_to(res)
+    print("time to TRL's final accuracy:", json.dumps(tt))
+    (out / "peer.json").write_text(json.dumps({"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
+                                               "time_to_trl": tt}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
