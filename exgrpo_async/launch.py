@@ -77,7 +77,8 @@ def placement(cores: list[int], num_actors: int, pin: bool, per_actor: int = 1) 
     return spare, [cores[(i % slots) * per_actor:(i % slots + 1) * per_actor] for i in range(num_actors)]
 
 
-def _spawn(args: list[str], env: dict, cores: set[int] | None = None, nice: int = 0) -> subprocess.Popen:
+def child_setup(cores: set[int] | None = None, nice: int = 0):
+    """What a child runs before its program: die with the launcher, its cores, its priority."""
     def setup() -> None:
         _die_with_parent()
         if cores:
@@ -85,7 +86,12 @@ def _spawn(args: list[str], env: dict, cores: set[int] | None = None, nice: int 
         if nice:
             os.nice(nice)
 
-    return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env, preexec_fn=setup)
+    return setup
+
+
+def _spawn(args: list[str], env: dict, cores: set[int] | None = None, nice: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", *args], env=env,
+                            preexec_fn=child_setup(cores, nice))
 
 
 def learner_rank_envs(env: dict, world_size: int) -> list[dict]:

@@ -16,6 +16,10 @@ OUT/peer.json.
 
     .venv/bin/python ops/bench/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
         [--peer-py bench_out/peer-venv/bin/python] [--harness ../shared/tools/peer/trl_toy.py] [overrides...]
+    .venv/bin/python ops/bench/peer.py --systems ours --reuse bench_out/peer/peer.json --out bench_out/peer-exgrpo \
+        exgrpo.enabled=true        # ExGRPO against the same TRL runs
+    .venv/bin/python ops/bench/peer.py --systems trl --trl-seconds 160 --reuse bench_out/peer/peer.json \
+        --out bench_out/peer-trl160   # TRL on a wall-clock budget against the same runs of ours
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def ours(a, cache: Path, seed: int, extra: list[str]) -> list[dict]:
 def trl(a, cache: Path, seed: int) -> dict:
     out = Path(a.out) / f"trl-{a.trl}-s{seed}"
     sh([a.peer_py, a.harness, "--main", REPO, "--cache", cache, "--steps", a.steps, "--generation",
-        "transformers" if a.trl == "hf" else "vllm", "--seed", seed, "--out", out], Path(a.out) / f"trl-s{seed}.log")
+        "transformers" if a.trl == "hf" else "vllm", "--seed", seed, "--out", out,
+        *(["--seconds", a.trl_seconds] if a.trl_seconds else [])], Path(a.out) / f"trl-s{seed}.log")
     r = json.loads((out / "result.json").read_text())
     return {"step": r["steps"], "seconds": r["seconds"], "accuracy": r["after"]["accuracy"],
             "greedy_accuracy": r["after"]["greedy_accuracy"], "before": r["before"]}
@@ -140,12 +145,19 @@ def main() -> None:
     ap.add_argument("--peer-py", default="bench_out/peer-venv/bin/python")
     ap.add_argument("--harness", default=str(REPO.parent / "shared/tools/peer/trl_toy.py"))
     ap.add_argument("--src-cache", default="~/.cache/exgrpo_async")
+    ap.add_argument("--trl-seconds", type=float, default=None,
+                    help="train TRL for this wall-clock budget (or --steps, whichever ends first)")
+    ap.add_argument("--reuse", default=None, metavar="PEER_JSON",
+                    help="take the systems not in --systems from an earlier peer.json (same warm start)")
     a, extra = ap.parse_known_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = freeze(Path(a.src_cache).expanduser(), out)
     seeds = [int(s) for s in a.seeds.split(",")]
     res: dict[str, list] = {}
+    if a.reuse:
+        earlier = json.loads(Path(a.reuse).read_text())["runs"]
+        res.update({k: v for k, v in earlier.items() if k not in a.systems.split(",")})
     for system in a.systems.split(","):
         for seed in seeds:
             pts = ours(a, cache, seed, extra) if system == "ours" else [trl(a, cache, seed)]

@@ -81,6 +81,16 @@ def test_sigterm_stops_every_child(small, tmp_path):
         assert metrics is not None, "training never started"
         kids = children_of(proc.pid)
         assert len(kids) >= 3  # learner + 2 actors (+ their verifier workers)
+        role_nice = {}  # the CPU layout: actors run actor.nice (10) nicer than the learner
+        for k in kids:
+            try:
+                argv = Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{k}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            if b"exgrpo_async.cli" in argv:
+                role_nice[argv[argv.index(b"exgrpo_async.cli") + 1].decode()] = int(stat.rsplit(")", 1)[1].split()[16])
+        assert role_nice.get("actor") == role_nice.get("learner", -99) + 10, role_nice
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
         assert proc.returncode != 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from exgrpo_async.config import load_config
-from exgrpo_async.launch import placement
+from exgrpo_async.launch import child_setup, placement
 from exgrpo_async.placement import PlacementError, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,3 +115,12 @@ def test_a_plan_for_more_gpus_than_the_node_shows_is_refused():
     check_devices(None, 0)  # a CPU run
     with pytest.raises(PlacementError, match="shows 1 CUDA device"):
         check_devices(p, 1)
+
+
+def test_an_actor_child_runs_nicer_on_its_cores():
+    import os
+
+    code = "import os; print(os.nice(0), sorted(os.sched_getaffinity(0)))"
+    core = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], preexec_fn=child_setup({core}, 7), capture_output=True, text=True)
+    assert out.stdout.split(maxsplit=1) == [str(os.nice(0) + 7), f"[{core}]\n"]

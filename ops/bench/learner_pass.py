@@ -1,0 +1,87 @@
+"""One learner pass (forward with log-probs, backward) on the toy model's shape, laid out several ways.
+
+The demo's step is forward plus backward over a step's sequences (docs/benchmarks.md). This isolates
+that pass on one thread, with synthetic sequences shaped like the toy task's (prompts of 9-21 tokens,
+completions of 10-40 tokens or truncated at 64), and compares the layouts the learner can use:
+micro-batches in arrival order or cut shortest first (learner/update.py `_cut`), the output head in
+512-position chunks or one chunk (`learner.grpo.logit_chunk`), packed rows (max_tokens_per_micro_batch),
+and bf16 autocast. Medians over --reps passes.
+
+    taskset -c 1 .venv/bin/python ops/bench/learner_pass.py [--seqs 160] [--reps 5] [--out bench_out/learner_pass.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from exgrpo_async.toy import build_model
+from learner.grpo import token_logprobs
+from learner.packing import layout
+
+
+def sequences(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randint(8, 20))] for _ in range(n)]
+    comps = [[rng.randrange(3, 100) for _ in range(rng.choice([rng.randint(10, 40), 64]))] for _ in range(n)]
+    return prompts, comps
+
+
+def one_pass(model, prompts, comps, order, per_micro, chunk, bf16=False, budget=None) -> tuple[float, int]:
+    t0, padded = time.perf_counter(), 0
+    for s in range(0, len(order), per_micro):
+        idx = order[s:s + per_micro]
+        rows = layout([prompts[i] for i in idx], [comps[i] for i in idx], 0, budget)
+        padded += rows.input_ids.numel()
+        lp = token_logprobs(model, rows.input_ids, rows.attention_mask, chunk_tokens=chunk, bf16=bf16,
+                            position_ids=rows.position_ids)
+        (lp * rows.target_mask).sum().backward()
+    return time.perf_counter() - t0, padded
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=160, help="forwarded sequences of one step")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="bench_out/learner_pass.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = build_model(0)
+    prompts, comps = sequences(a.seqs)
+    arrival = list(range(a.seqs))
+    shortest_first = sorted(arrival, key=lambda i: (len(prompts[i]) + len(comps[i]), i))
+    arms = {
+        "arrival order, 64/micro, 512-position chunks (before)": (arrival, 64, 512, False, None),
+        "arrival order, 64/micro, one chunk": (arrival, 64, None, False, None),
+        "shortest first, 64/micro, one chunk (now)": (shortest_first, 64, None, False, None),
+        "shortest first, 32/micro, one chunk": (shortest_first, 32, None, False, None),
+        "packed rows of 2048 tokens, one chunk": (arrival, a.seqs, None, False, 2048),
+        "shortest first, 64/micro, one chunk, bf16 autocast": (shortest_first, 64, None, True, None),
+    }
+    real = sum(len(p) + len(c) for p, c in zip(prompts, comps))
+    rows = []
+    print(f"{a.seqs} sequences, {real} tokens, {a.threads} thread(s); median of {a.reps} passes")
+    print(f"{'layout':54s} {'s/pass':>8s} {'tokens in':>10s} {'vs before':>10s}")
+    for name, (order, per, chunk, bf16, budget) in arms.items():
+        one_pass(model, prompts, comps, order, per, chunk, bf16, budget)  # warm-up
+        times = []
+        for _ in range(a.reps):
+            t, padded = one_pass(model, prompts, comps, order, per, chunk, bf16, budget)
+            times.append(t)
+        rows.append({"layout": name, "seconds": statistics.median(times), "tokens": padded})
+        print(f"{name:54s} {rows[-1]['seconds']:8.3f} {padded:10d} {rows[-1]['seconds'] / rows[0]['seconds']:9.0%}",
+              flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"args": vars(a), "real_tokens": real, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
