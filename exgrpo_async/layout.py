@@ -20,6 +20,10 @@ import os
 
 from exgrpo_async.config import RunConfig
 
+class PlacementError(ValueError):
+    """A layout or GPU plan that cannot run; the message says why (`train` prints it and exits 2)."""
+
+
 IDLE_TARGET = 0.15  # an idle share above this on one side, with the other side busy, is worth a move
 
 
@@ -35,7 +39,7 @@ def resolve(cfg: RunConfig, cores: int, gpus: int) -> RunConfig:
         if gpus:
             cfg.actor.num_actors = max(0, gpus - L.world_size) // tp
             if cfg.actor.num_actors == 0:
-                raise ValueError(f"no GPU left for an actor of TP {tp}: the node has {gpus} and the learner takes "
+                raise PlacementError(f"no GPU left for an actor of TP {tp}: the node has {gpus} and the learner takes "
                                  f"{L.world_size}; set actor.num_actors=0 to run the learner alone (actors then "
                                  "join with `exgrpo-async actor`)")
         else:

@@ -15,11 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.layout import resolve
-
-
-class PlacementError(ValueError):
-    """A GPU plan that cannot run; the message says why."""
+from exgrpo_async.layout import PlacementError, resolve
 
 
 @dataclass(frozen=True)
