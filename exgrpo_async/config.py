@@ -165,8 +165,8 @@ class ActorConfig(_Strict):
     """`exgrpo-async train` restarts a local actor that exits with an error up to this many times."""
     num_actors: int | None = Field(None, ge=0)
     """Actor processes that `exgrpo-async train` starts locally (more may join with `exgrpo-async actor`).
-    None: chosen from the machine (exgrpo_async/layout.py): on CPU half the cores generate, a core per
-    vLLM worker; on GPU every GPU the learner does not take."""
+    None: chosen from the machine (exgrpo_async/layout.py): on CPU an actor per core (a core per vLLM
+    worker), `nice` below the learner; on GPU every GPU the learner does not take."""
     threads: int = Field(1, gt=0)
     """torch/OpenMP threads per actor on CPU; actors are pinned, a core per vLLM worker, when cores allow."""
     pin_cores: bool = True
@@ -198,8 +198,8 @@ class LearnerConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner trains; "auto" picks cuda when available. Also picks the weight-sync backend."""
     threads: int | None = Field(None, gt=0)
-    """torch threads of the learner on CPU, per learner rank. None: the cores the local actors leave,
-    shared by the ranks (exgrpo_async/layout.py); outside `train`, the process's cores / local ranks."""
+    """torch threads of the learner on CPU, per learner rank. None: half the cores, shared by the ranks
+    (exgrpo_async/layout.py); outside `train`, the process's cores / local ranks."""
     world_size: int = Field(1, gt=0)
     """Learner ranks training one step together, the model sharded over them with FSDP2 (one per GPU;
     gloo processes on CPU). `train` starts them on this machine; under `torchrun` (`exgrpo-async

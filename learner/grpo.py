@@ -78,7 +78,7 @@ MIN_CHUNK_TOKENS = 512
 def logit_chunk(vocab: int) -> int:
     """Positions per chunk of the output head: 512 for a real vocabulary (152k: 311 MB of fp32 logits),
     more for a small one, whose logits are cheap (the toy's 100 tokens: one chunk of 41,943 positions;
-    fewer chunks, less per-chunk overhead, 5% of the toy's forward and backward)."""
+    fewer chunks, less per-chunk overhead: 12% of the toy's forward and backward, ops/bench/learner_pass.py)."""
     return max(MIN_CHUNK_TOKENS, LOGIT_CHUNK_ELEMENTS // max(1, vocab))
 
 
