@@ -1,9 +1,10 @@
 """The run report: RUN_DIR/metrics.jsonl (+ summary.json, config.json) -> RUN_DIR/report/report.md with PNG plots.
 
 Written by the learner at the end of a run and by `exgrpo-async report RUN_DIR` at any time (a run
-still going or one that crashed has no summary: the report says so). Plots: reward and pass@1 (with
-held-out accuracy), buffer composition by bucket, staleness, importance weights, throughput and step
-time. Unreadable metrics lines (a killed run's last line) are skipped and counted in the report.
+still going or one that crashed has no summary: the report says so). Plots (matplotlib, through
+exgrpo_async/plots.py): reward and pass@1 (with held-out accuracy), buffer composition by bucket,
+staleness, importance weights, throughput and step time. Unreadable metrics lines (a killed run's
+last line) are skipped and counted in the report.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import math
 from pathlib import Path
 
-from exgrpo_async.png import bar_chart, line_chart, stacked_area_chart
+from matplotlib.figure import Figure
+
+from exgrpo_async.plots import Series, bar_chart, line_chart, save, stacked_area_chart
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict], int]:
@@ -49,6 +52,67 @@ def _num(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def reward_series(steps: list[dict], evals: list[dict], summary: dict | None) -> dict[str, Series]:
+    """Reward, pass@1 and replayed reward per step, held-out accuracy during the run and before/after it."""
+    x = _col(steps, "step")
+    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)}
+    if evals:
+        series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
+    for when, at in (("before", 0), ("after", steps[-1]["step"])):
+        acc = ((summary or {}).get(when) or {}).get("accuracy")
+        if acc is not None:
+            series[f"held-out {when}"] = ([at], [acc])
+    return series
+
+
+def charts(steps: list[dict], evals: list[dict], summary: dict | None) -> list[tuple[str, str, Figure]]:
+    """(file name, title, figure) of every plot the rows support, in report order."""
+    x = _col(steps, "step")
+    out: list[tuple[str, str, Figure]] = []
+
+    def lines(name: str, title: str, keys: list[str], ylabel: str = "") -> None:
+        series = {k: (x, _col(steps, k)) for k in keys if _has(steps, k)}
+        if series:
+            out.append((name, title, line_chart(title, series, ylabel=ylabel)))
+
+    title = "Reward and pass@1"
+    out.append(("reward.png", title, line_chart(title, reward_series(steps, evals, summary), ylabel="share (0..1)")))
+
+    # buffer composition by bucket k (ExGRPO)
+    if any(r.get("buckets") for r in steps):
+        ks = sorted({k for r in steps for k in (r.get("buckets") or {})}, key=int)
+        layers = {f"k={k}": [(r.get("buckets") or {}).get(k, 0) for r in steps] for k in ks}
+        title = "Buffer: questions per bucket k"
+        out.append(("buffer.png", title, stacked_area_chart(title, x, layers, ylabel="questions")))
+        lines("buffer_size.png", "Buffer size and retired questions",
+              ["buffer_questions", "retired_total", "experience_questions"], "questions")
+
+    # staleness over steps and its distribution
+    lines("staleness.png", "Staleness (policy versions)", ["staleness_mean", "staleness_max"], "versions")
+    hist: dict[int, int] = {}
+    for r in steps:
+        for lag, n in (r.get("staleness_hist") or {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + int(n)
+    if hist:
+        lags = list(range(0, max(hist) + 1))
+        title = "Groups trained, by staleness"
+        bars = bar_chart(title, [str(g) for g in lags], [hist.get(g, 0) for g in lags], xlabel="versions behind",
+                         ylabel="groups")
+        out.append(("staleness_hist.png", title, bars))
+
+    # importance weights and ratios
+    lines("weights.png", "Importance weights and PPO ratio",
+          ["is_weight_mean", "is_weight_max", "ratio_max", "replay_w_mean", "replay_w_max"])
+    lines("truncation.png", "Truncated and clipped shares", ["is_truncated_frac", "clip_frac", "truncated_frac"],
+          "share (0..1)")
+
+    # throughput and where the step time goes
+    lines("rollouts_per_s.png", "Throughput: rollouts/s", ["rollouts_per_s"], "1/s")
+    lines("tokens_per_s.png", "Throughput: tokens/s", ["tokens_per_s"], "1/s")
+    lines("step_time.png", "Step time", ["step_seconds", "train_seconds", "wait_seconds"], "seconds")
+    return out
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write report.md and its PNGs to out_dir (default RUN_DIR/report); returns the report's path."""
     run_dir = Path(run_dir)
@@ -62,60 +126,12 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
-    x = _col(steps, "step")
     figures: list[tuple[str, str]] = []  # (title, file name)
-    notes: list[str] = []
-
-    def plot(name: str, title: str, keys: list[str], ylabel: str = "") -> None:
-        series = {k: (x, _col(steps, k)) for k in keys if _has(steps, k)}
-        if series:
-            line_chart(out / name, title, series, ylabel=ylabel)
-            figures.append((title, name))
-
-    # reward, pass@1 and held-out accuracy
-    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)}
-    if evals:
-        series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
-    for when, at in (("before", 0), ("after", steps[-1]["step"])):
-        acc = ((summary or {}).get(when) or {}).get("accuracy")
-        if acc is not None:
-            series[f"held-out {when}"] = ([at], [acc])
-    line_chart(out / "reward.png", "Reward and pass@1", series, ylabel="0..1")
-    figures.append(("Reward and pass@1", "reward.png"))
-
-    # buffer composition by bucket (ExGRPO)
-    if any(r.get("buckets") for r in steps):
-        ks = sorted({k for r in steps for k in (r.get("buckets") or {})}, key=int)
-        layers = {f"k={k}": [(r.get("buckets") or {}).get(k, 0) for r in steps] for k in ks}
-        stacked_area_chart(out / "buffer.png", "Buffer: questions per bucket k", x, layers, ylabel="questions")
-        figures.append(("Buffer: questions per bucket k", "buffer.png"))
-        plot("buffer_size.png", "Buffer size and retired questions", ["buffer_questions", "retired_total",
-                                                                       "experience_questions"], "questions")
-    else:
-        notes.append("No buffer plots: the run had no ExGRPO experience buffer (exgrpo.enabled=false).")
-
-    # staleness over steps and its distribution
-    plot("staleness.png", "Staleness (policy versions)", ["staleness_mean", "staleness_max"], "versions")
-    hist: dict[int, int] = {}
-    for r in steps:
-        for lag, n in (r.get("staleness_hist") or {}).items():
-            hist[int(lag)] = hist.get(int(lag), 0) + int(n)
-    if hist:
-        lags = list(range(0, max(hist) + 1))
-        bar_chart(out / "staleness_hist.png", "Groups trained, by staleness", [str(g) for g in lags],
-                  [hist.get(g, 0) for g in lags], xlabel="versions behind", ylabel="groups")
-        figures.append(("Groups trained, by staleness", "staleness_hist.png"))
-
-    # importance weights and ratios
-    plot("weights.png", "Importance weights and PPO ratio",
-         ["is_weight_mean", "is_weight_max", "ratio_max", "replay_w_mean", "replay_w_max"])
-    plot("truncation.png", "Truncated and clipped shares", ["is_truncated_frac", "clip_frac", "truncated_frac"],
-         "0..1")
-
-    # throughput and where the step time goes
-    plot("rollouts_per_s.png", "Throughput: rollouts/s", ["rollouts_per_s"], "1/s")
-    plot("tokens_per_s.png", "Throughput: tokens/s", ["tokens_per_s"], "1/s")
-    plot("step_time.png", "Step time", ["step_seconds", "train_seconds", "wait_seconds"], "seconds")
+    for name, title, fig in charts(steps, evals, summary):
+        save(fig, out / name)
+        figures.append((title, name))
+    notes = [] if any(r.get("buckets") for r in steps) else [
+        "No buffer plots: the run had no ExGRPO experience buffer (exgrpo.enabled=false)."]
 
     last = steps[-1]
     lines = [f"# Run report: {run_dir.name}", "",

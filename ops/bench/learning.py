@@ -30,7 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from matplotlib.ticker import FuncFormatter
+
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from exgrpo_async import plots  # noqa: E402
 
 # every arm shares the loss terms and schedule of the demo; only what the arm names differs
 ARMS: dict[str, list[str]] = {
@@ -185,29 +189,16 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    """Held-out accuracy (sampled, greedy) against generated tokens: per arm the mean over seeds as a line
+    and min..max as a band (exgrpo_async/plots.py, as the run report)."""
+    fig, axes = plots.figure(ncols=2, size=(11.0, 4.0))
     for ax, col in zip(axes, ("sampled", "greedy")):
-        for arm, a in res["arms"].items():
-            cs = a["curves"][col]
-            mean = [statistics.mean(v) for v in zip(*cs)]
-            line, = ax.plot(res["grid"], mean, marker="o", ms=3, label=f"{arm} (n={len(cs)})")
-            ax.fill_between(res["grid"], [min(v) for v in zip(*cs)], [max(v) for v in zip(*cs)],
-                            color=line.get_color(), alpha=0.15)
+        plots.draw_bands(ax, res["grid"], {f"{arm} (n={len(a['curves'][col])})": a["curves"][col]
+                                           for arm, a in res["arms"].items()})
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:.0f}k"))
-        ax.set_xlabel("fresh completion tokens generated")
         ax.set_ylabel(f"held-out accuracy ({'avg@8' if col == 'sampled' else 'greedy'})")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title + " (line: mean over seeds; band: min..max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.finish(fig, title + " (line: mean over seeds; band: min..max)", xlabel="fresh completion tokens generated")
+    plots.save(fig, path)
 
 
 def main() -> int:

@@ -1,67 +1,20 @@
-"""The run report: valid PNGs with what was drawn on them, round ticks, and a report.md that references
-every plot, counts unreadable metrics lines and says what it could not plot."""
+"""The run report, drawn with matplotlib (exgrpo_async/plots.py): from a recorded metrics.jsonl every plot
+is a readable 800x400 PNG, series that coincide (reward_mean and pass_at_1 on a toy run) are drawn
+distinguishably, gaps stay gaps, and report.md references every plot, counts unreadable metrics lines and
+says what it could not plot."""
 
 import json
 import re
-import struct
-import zlib
 
 import numpy as np
 import pytest
+from matplotlib.image import imread
 
-from exgrpo_async.png import COLOURS, glyph, line_chart, nice_ticks, write_png
-from exgrpo_async.report import write_report
+from exgrpo_async.plots import bar_chart, draw_bands, figure, line_chart, stacked_area_chart
+from exgrpo_async.report import charts, read_metrics, write_report
 
-
-def read_png(path) -> np.ndarray:
-    """Decode our own PNGs (8-bit RGB, filter 0) independently of the writer, checking every CRC."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + n
-    w, h, depth, colour_type = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour_type) == (8, 2) and b"IEND" in chunks
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(h, 1 + 3 * w)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(h, w, 3)
-
-
-def test_png_round_trips(tmp_path):
-    img = np.random.default_rng(0).integers(0, 256, (7, 11, 3), dtype=np.uint8)
-    write_png(tmp_path / "x.png", img)
-    assert (read_png(tmp_path / "x.png") == img).all()
-
-
-def test_glyphs_are_distinct_and_case_insensitive():
-    chars = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ.-_/:%()=@"
-    bitmaps = {glyph(c).tobytes() for c in chars}
-    assert len(bitmaps) == len(chars)
-    assert (glyph("a") == glyph("A")).all() and glyph(" ").sum() == 0 and glyph("8").sum() > glyph("1").sum()
-
-
-@pytest.mark.parametrize("lo,hi", [(0.0, 1.0), (0.137, 0.52), (3.0, 3.0), (0.0, 0.0), (-5.0, 1e5), (1e-6, 3e-5)])
-def test_nice_ticks_cover_the_range_with_round_steps(lo, hi):
-    ticks = nice_ticks(lo, hi)
-    assert ticks[0] <= lo and ticks[-1] >= hi and 2 <= len(ticks) <= 12
-    steps = np.diff(ticks)
-    assert np.allclose(steps, steps[0])
-    mantissa = steps[0] / 10 ** np.floor(np.log10(steps[0]))
-    assert any(np.isclose(mantissa, m) for m in (1, 2, 5, 10))
-
-
-def test_line_chart_draws_each_series_in_its_colour_with_gaps(tmp_path):
-    line_chart(tmp_path / "c.png", "Two series", {"a": ([1, 2, 3, 4], [0.1, None, 0.3, 0.4]),
-                                                  "b": ([1, 2, 3, 4], [5.0, 4.0, float("nan"), 2.0])})
-    img = read_png(tmp_path / "c.png")
-    for colour in COLOURS[:2]:
-        assert (img == colour).all(axis=-1).sum() > 100, colour
-    assert not (img == COLOURS[2]).all(axis=-1).any()  # no third series
+PLOTS = {"reward.png", "buffer.png", "buffer_size.png", "staleness.png", "staleness_hist.png", "weights.png",
+         "rollouts_per_s.png", "tokens_per_s.png", "step_time.png"}
 
 
 def _run(tmp_path, exgrpo: bool) -> object:
@@ -82,18 +35,86 @@ def _run(tmp_path, exgrpo: bool) -> object:
     return run
 
 
+def _style(line) -> tuple:
+    return line.get_color(), line.get_linestyle(), line.get_marker(), line.get_markerfacecolor()
+
+
 def test_report_of_an_exgrpo_run_has_every_plot(tmp_path):
     path = write_report(_run(tmp_path, exgrpo=True))
     text = path.read_text()
     assert path == tmp_path / "ex" / "report" / "report.md"
     pngs = re.findall(r"^!\[[^\]]*\]\(([^)]+)\)$", text, re.M)
-    assert {"reward.png", "buffer.png", "staleness.png", "staleness_hist.png", "weights.png",
-            "rollouts_per_s.png", "step_time.png"} <= set(pngs)
+    assert PLOTS <= set(pngs)
     for name in pngs:
-        assert read_png(path.parent / name).shape == (400, 800, 3)
+        img = imread(path.parent / name)
+        assert img.shape == (400, 800, 4), name
+        assert img[..., :3].std() > 0.05, f"{name} is blank"
     assert "1 unreadable line(s)" in text and "5 learner steps" in text and "No summary.json" in text
-    bars = read_png(path.parent / "staleness_hist.png")
-    assert (bars == COLOURS[0]).all(axis=-1).sum() > 1000  # two bars of 10 groups each
+
+
+def test_the_reward_chart_shows_reward_and_pass_at_1_apart_when_they_coincide(tmp_path):
+    steps, evals, bad = read_metrics(_run(tmp_path, exgrpo=True) / "metrics.jsonl")
+    assert (len(steps), len(evals), bad) == (5, 1, 1)
+    drawn = {name: fig for name, _, fig in charts(steps, evals, {"before": {"accuracy": 0.2}})}
+    assert PLOTS <= set(drawn)
+    ax = drawn["reward.png"].axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"reward_mean", "pass_at_1", "eval accuracy", "held-out before"}
+    reward, passed = lines["reward_mean"], lines["pass_at_1"]
+    assert list(reward.get_ydata()) == list(passed.get_ydata())  # the same values ...
+    assert _style(reward) != _style(passed) and reward.get_linestyle() != passed.get_linestyle()  # ... told apart
+    assert reward.get_linewidth() > passed.get_linewidth() and reward.get_zorder() < passed.get_zorder()
+    held = lines["held-out before"]
+    assert held.get_linestyle() == "None" and held.get_marker() not in (None, "None", "")  # one point: a marker
+    assert ax.get_ylabel() and ax.get_xlabel() == "step"
+    legend = drawn["reward.png"].legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == list(lines)
+
+
+def test_labels_and_legend_fit_inside_the_figure(tmp_path):
+    fig = line_chart("t", {"a_long_metric_name": ([1, 2, 3], [0.1, 0.2, 0.3]), "b": ([1, 2, 3], [3e4, 2e4, 1e4])},
+                     ylabel="a y label that is long")
+    fig.savefig(tmp_path / "x.png")  # constrained layout runs at draw time
+    box = fig.bbox
+    for artist in (fig.axes[0].yaxis.label, fig.axes[0].xaxis.label, fig.legends[0]):
+        extent = artist.get_window_extent()
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, artist
+    assert fig.legends[0].get_window_extent().x0 >= fig.axes[0].get_window_extent().x1  # hides no data
+
+
+def test_a_one_step_run_draws_points_that_both_show():
+    fig = line_chart("one step", {"reward_mean": ([4], [0.5]), "pass_at_1": ([4], [0.5])})
+    ax = fig.axes[0]
+    first, second = ax.get_lines()
+    assert first.get_linestyle() == second.get_linestyle() == "None"
+    assert first.get_marker() != second.get_marker() and second.get_markerfacecolor() == "none"  # hollow on top
+    assert all(float(t).is_integer() for t in ax.get_xticks()) and ax.get_xlim()[0] < 4 < ax.get_xlim()[1]
+
+
+def test_none_and_nan_are_gaps_and_a_point_between_gaps_is_a_marker():
+    fig = line_chart("gaps", {"a": ([1, 2, 3, 4, 5], [0.1, None, 0.3, float("nan"), 0.5])})
+    (line,) = fig.axes[0].get_lines()
+    y = line.get_ydata()
+    assert np.isnan(y[1]) and np.isnan(y[3]) and line.get_marker() not in (None, "None", "")
+    many = [float(i) for i in range(100)]
+    many[50:53] = [None, 7.0, None]  # dense: no markers but on the lone point
+    (line,) = line_chart("dense", {"a": (list(range(100)), many)}).axes[0].get_lines()
+    assert list(np.nonzero(line.get_markevery())[0]) == [51]
+
+
+def test_stacked_area_bars_and_bands(tmp_path):
+    fig = stacked_area_chart("stack", [1, 2, 3], {"k=1": [1, 2, 3], "k=2": [None, 1, 1]})
+    assert len(fig.axes[0].collections) == 2 and fig.axes[0].get_ylim()[1] >= 4
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["k=2", "k=1"]  # top layer first
+    one = stacked_area_chart("one step", [7], {"k=1": [1], "k=2": [2]})
+    assert [p.get_height() for p in one.axes[0].patches] == [1, 2] and one.axes[0].get_xlim()[0] < 7
+    bars = bar_chart("bars", ["0", "1", "2"], [10, 0, 4])
+    assert [p.get_height() for p in bars.axes[0].patches] == [10, 0, 4]
+    assert [t.get_text() for t in bars.axes[0].get_xticklabels()] == ["0", "1", "2"]
+    fig, (ax,) = figure()
+    draw_bands(ax, [0, 1, 2], {"a": [[0.1, 0.2, 0.3], [0.3, 0.4, 0.5]]})
+    (line,) = ax.get_lines()
+    assert np.allclose(line.get_ydata(), [0.2, 0.3, 0.4]) and len(ax.collections) == 1
 
 
 def test_report_without_exgrpo_says_why_the_buffer_is_missing(tmp_path):
