@@ -79,7 +79,7 @@ def aggregate(results: Sequence[QuestionResult]) -> dict[str, Any]:
         "too_long": len(results) - len(done),
         "samples": samples,
         "avg_at_n": mean(mean(r.rewards) for r in done) if done else None,
-        "pass_at_n": mean(float(max(r.rewards) > 0) for r in done) if done else None,
+        "pass_at_n": mean(float(max(r.rewards) >= 1.0) for r in done) if done else None,  # correct: reward 1
         "verifier_timeouts": count("statuses", "timeout"),
         "verifier_errors": count("statuses", "error"),
         "truncated": truncated,
@@ -137,7 +137,8 @@ def run_shard(job: EvalJob, prompts: list[str], golds: list[list[str]],
     if on_cpu:
         torch.set_num_threads(job.threads)
     v = job.verifier_cfg
-    with MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb) as verifier:  # imports meanwhile
+    # the workers import while the engine starts
+    with MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb, v.function) as verifier:
         engine = VLLMEngine(job.model, job.model_cfg, job.engine_cfg, on_cpu=on_cpu, seed=job.seed)
         try:
             t0 = time.perf_counter()
@@ -151,7 +152,9 @@ def run_shard(job: EvalJob, prompts: list[str], golds: list[list[str]],
             r.finish_reasons = [s.finish_reason for s in samples]
             r.tokens = [len(s.token_ids) for s in samples]
         items = [(text, g) for r, gs in zip(results, golds) for text in r.completions for g in gs]
-        scores = iter(verifier.score(items))
+        rows = [{"question_id": r.qid, "data_source": r.source, "prompt": p, "purpose": "eval"}  # + "answer": g
+                for r, p, gs in zip(results, prompts, golds) for _ in r.completions for _ in gs]
+        scores = iter(verifier.score(items, rows))
     for r, gs in zip(results, golds):
         for _ in r.completions:
             per_gold = [next(scores) for _ in gs]

@@ -1,4 +1,5 @@
-"""Reward verifier (seam 4 of 5): scores each completion against its gold answer with math-verify, 1.0 or 0.0.
+"""Reward verifier (seam 4 of 5): scores each completion against its gold answer with math-verify, 1.0 or
+0.0, or with the user's reward function (`actor.verifier.function`, contract in exgrpo_async/custom_reward.py).
 
 `score_answer` is the pure rule (ExGRPO's: answer after "</think>", then
 `verify(parse("$" + gold + "$"), parse(pred))`). `MathVerifier` runs it in a small spawn-based pool of
@@ -7,10 +8,17 @@ main thread; run in a thread without them, one power tower froze the whole inter
 (docs: shared/docs/verifier.md, section 2). On top of those, the pool enforces a hard wall-clock deadline per
 item by killing the worker; a timeout or a worker crash scores 0.
 
+A custom reward function runs in the same pool instead of math-verify: each worker imports it before it
+reports ready (the actor imports it first, so a bad spec fails in the constructor, naming it). It gets
+the answer region (`extract_response`; a missing required "</think>" scores 0 without a call), the gold
+and a row (`score(..., rows=)`); a raise or a return value that is not a real number in [0, 1] scores 0
+with status "error", counted in `errors` and logged in aggregate (`FaultLog`). The integer fast path is
+math-verify's shortcut and is not taken for a custom function.
+
 Interface:
-    MathVerifier(workers, timeout_s, require_think, memory_limit_mb)
-    score([(completion_text, gold), ...]) -> [(reward, status), ...]   status: "ok" | "timeout" | "error"
-    timeouts, errors, calls (items scored), fast_path (items decided without math-verify), seconds_total
+    MathVerifier(workers, timeout_s, require_think, memory_limit_mb, function=None)
+    score([(completion_text, gold), ...], rows=None) -> [(reward, status), ...]   status: "ok" | "timeout" | "error"
+    timeouts, errors, calls (items scored), fast_path (items decided without a worker), seconds_total
     close()   (also a context manager)
 """
 
@@ -26,6 +34,8 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+
+from exgrpo_async.custom_reward import FaultLog, RewardFunctionError, call_reward_function, load_reward_function
 
 # Minerva golds such as "4.5e33": math-verify reads them as 4.5*e*33 (Euler's e), so spell the power out.
 _SCI_NOTATION = re.compile(r"(\d)e\+?(-?\d+)")
@@ -98,8 +108,9 @@ def fast_integer_score(text: str, gold: str, require_think: bool) -> float | Non
     return 1.0 if int(content) == int(g) else 0.0
 
 
-def _worker_main(conn: Connection, memory_limit_mb: int) -> None:
-    """Worker loop, run in the worker's main thread: (text, gold, require_think) in, float out."""
+def _worker_main(conn: Connection, memory_limit_mb: int, function: str | None = None) -> None:
+    """Worker loop, run in the worker's main thread: (text, gold, require_think, row) in, (reward, fault) out,
+    fault None or (kind, example) when the custom `function` raised or returned junk."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from exgrpo_async.logs import setup_logging
@@ -109,7 +120,13 @@ def _worker_main(conn: Connection, memory_limit_mb: int) -> None:
         # Address-space cap: `2^{10^9}`-style inputs should fail with MemoryError here, not swap the host.
         limit = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    score_answer("\\boxed{1}", "1", False)  # import + antlr warm-up (~0.6 s) before any deadline runs
+    try:
+        fn = load_reward_function(function) if function else None
+    except RewardFunctionError as e:
+        conn.send(str(e))  # instead of _READY: the parent names it when it gives up starting workers
+        return
+    if fn is None:
+        score_answer("\\boxed{1}", "1", False)  # import + antlr warm-up (~0.6 s) before any deadline runs
     conn.send(_READY)
     while True:
         try:
@@ -118,15 +135,19 @@ def _worker_main(conn: Connection, memory_limit_mb: int) -> None:
             return
         if msg is None:
             return
-        text, gold, require_think = msg
-        conn.send(score_answer(text, gold, require_think))
+        text, gold, require_think, row = msg
+        if fn is None:
+            conn.send((score_answer(text, gold, require_think), None))
+            continue
+        response = extract_response(text, require_think)
+        conn.send((0.0, None) if response is None else call_reward_function(fn, response, gold, row))
 
 
 class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, memory_limit_mb: int):
+    def __init__(self, ctx: mp.context.SpawnContext, memory_limit_mb: int, function: str | None):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc: BaseProcess = ctx.Process(
-            target=_worker_main, args=(child_conn, memory_limit_mb), name="math-verify", daemon=True
+            target=_worker_main, args=(child_conn, memory_limit_mb, function), name="verifier", daemon=True
         )
         self.proc.start()
         child_conn.close()  # only the child holds its end, so its death reads as EOF here
@@ -142,11 +163,16 @@ class _Worker:
 
 
 class MathVerifier:
-    """Spawn-based pool of math-verify workers with a hard per-item deadline."""
+    """Spawn-based pool of math-verify (or custom reward `function`) workers with a hard per-item deadline."""
 
-    def __init__(self, workers: int, timeout_s: float, require_think: bool, memory_limit_mb: int):
+    def __init__(self, workers: int, timeout_s: float, require_think: bool, memory_limit_mb: int,
+                 function: str | None = None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if function is not None:
+            load_reward_function(function)  # here, once: a bad spec fails before any worker starts
+        self.function = function
+        self._faults = FaultLog(function) if function is not None else None
         self.timeout_s = float(timeout_s)
         self.require_think = require_think
         self.memory_limit_mb = memory_limit_mb
@@ -155,17 +181,17 @@ class MathVerifier:
         self.timeouts = 0
         self.errors = 0
         self.calls = 0
-        self.fast_path = 0  # items decided by fast_integer_score without a worker
+        self.fast_path = 0  # items decided without a worker (fast_integer_score, or a missing "</think>")
         self.seconds_total = 0.0
         self.last_latencies: list[float] = []  # seconds per item of the latest score() call
         self._failed_starts = 0
         self._closed = False
         # Processes start now; they import in the background while the actor loads its model.
-        self._workers = [_Worker(self._ctx, memory_limit_mb) for _ in range(workers)]
+        self._workers = [_Worker(self._ctx, memory_limit_mb, function) for _ in range(workers)]
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.stop()
-        fresh = _Worker(self._ctx, self.memory_limit_mb)
+        fresh = _Worker(self._ctx, self.memory_limit_mb, self.function)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
@@ -173,20 +199,27 @@ class MathVerifier:
         # A worker that cannot even import (broken env) would otherwise be restarted forever.
         self._failed_starts += 1
         if self._failed_starts > _MAX_FAILED_STARTS:
-            raise RuntimeError(f"math-verify workers fail to start ({why}); see their stderr")
+            raise RuntimeError(f"verifier workers fail to start ({why}); see their stderr")
         return self._replace(worker)
 
-    def score(self, items: list[tuple[str, str]]) -> list[tuple[float, str]]:
-        """(reward, status) for each (completion_text, gold), in order; status "ok", "timeout" or "error"."""
+    def score(self, items: list[tuple[str, str]], rows: list[dict] | None = None) -> list[tuple[float, str]]:
+        """(reward, status) for each (completion_text, gold), in order; status "ok", "timeout" or "error".
+        `rows[i]` (question_id, data_source, prompt, purpose) is what a custom function gets with item i,
+        its "answer" set to item i's gold; math-verify ignores rows."""
         if self._closed:
             raise RuntimeError("MathVerifier is closed")
+        if rows is not None and len(rows) != len(items):
+            raise ValueError(f"{len(rows)} rows for {len(items)} items")
         t0 = time.monotonic()
         results: list[tuple[float, str]] = [(0.0, "error")] * len(items)
         latencies = [0.0] * len(items)  # per item: fast path, or from hand-off to reply / deadline / crash
         pending = deque()
         for i, (text, gold) in enumerate(items):
             t_item = time.perf_counter()
-            fast = fast_integer_score(text, gold, self.require_think)
+            if self.function is None:
+                fast = fast_integer_score(text, gold, self.require_think)
+            else:  # a custom function is never second-guessed; only the format rule is decided here
+                fast = 0.0 if extract_response(text, self.require_think) is None else None
             if fast is None:
                 pending.append(i)
             else:
@@ -206,8 +239,9 @@ class MathVerifier:
                     continue
                 i = pending[0]
                 text, gold = items[i]
+                row = None if self.function is None else {**(rows[i] if rows is not None else {}), "answer": gold}
                 try:
-                    w.conn.send((text, gold, self.require_think))
+                    w.conn.send((text, gold, self.require_think, row))
                 except (BrokenPipeError, EOFError, OSError):
                     self._replace(w)  # the item never reached a worker: keep it pending
                     continue
@@ -225,18 +259,30 @@ class MathVerifier:
                     w, i, _ = busy.pop(conn)
                     latencies[i] = time.perf_counter() - latencies[i]
                     try:
-                        results[i] = (float(conn.recv()), "ok")
+                        reward, fault = conn.recv()
                     except (EOFError, OSError):  # crashed on this item (segfault, OOM kill, ...)
                         results[i] = (0.0, "error")
                         self.errors += 1
                         self._replace(w)
+                        continue
+                    if fault is None:
+                        results[i] = (float(reward), "ok")
+                    else:  # the custom function raised or returned junk: this item's fault only
+                        results[i] = (0.0, "error")
+                        self.errors += 1
+                        self._faults.add(fault)
                 else:
                     w = next(w for w in self._workers if w.conn is conn)
                     try:
-                        w.ready = conn.recv() == _READY
-                        self._failed_starts = 0
+                        msg = conn.recv()
                     except (EOFError, OSError):
                         self._start_failed(w, "died while importing")
+                        continue
+                    if msg == _READY:
+                        w.ready = True
+                        self._failed_starts = 0
+                    else:  # the reward function failed to import in the worker
+                        self._start_failed(w, str(msg))
             now = time.monotonic()
             for conn, (w, i, deadline) in list(busy.items()):
                 if now >= deadline and not conn.poll(0):  # a reply that just arrived still counts
@@ -250,6 +296,8 @@ class MathVerifier:
         self.calls += len(items)
         self.seconds_total += time.monotonic() - t0
         self.last_latencies = latencies
+        if self._faults is not None:
+            self._faults.flush()
         return results
 
     def close(self) -> None:
@@ -257,6 +305,8 @@ class MathVerifier:
         if self._closed:
             return
         self._closed = True
+        if self._faults is not None:
+            self._faults.flush(force=True)
         for w in self._workers:
             try:
                 w.conn.send(None)  # polite exit first; a worker that is stuck gets killed below

@@ -43,6 +43,7 @@ from learner.metrics import TargetsFile
 
 log = logging.getLogger("exgrpo_async.learner.server")
 MAX_ENGINE_WORKERS = 64  # an engine's workers in one weight-sync group (tensor x pipeline parallel)
+MAX_SOURCE_CHARS = 200  # a work item's data_source (a row value or a file stem) is a bounded string
 # an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
@@ -265,7 +266,7 @@ class LearnerServer:
             q = self.questions[pool][it.question_id]
             entry = {"work_id": it.work_id, "question_id": it.question_id, "prompt": self.prompts[pool][it.question_id],
                      "answer": q.answer, "n": it.n, "temperature": it.temperature, "purpose": it.purpose,
-                     "seed": it.seed}
+                     "seed": it.seed, "data_source": q.source[:MAX_SOURCE_CHARS]}  # for a custom reward's row
             if it.replay is not None:  # ExGRPO: the actor re-verifies the replayed trajectory
                 entry["replay_ids"] = it.replay.token_ids.astype("<i4").tobytes()
             payload.append(entry)

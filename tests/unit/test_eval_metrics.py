@@ -126,6 +126,24 @@ def test_scoring_any_gold_may_match(monkeypatch):
     assert m["avg_at_n"] == pytest.approx(0.5) and m["pass_at_n"] == 0.75 and m["truncated"] == 1
 
 
+
+def test_eval_scores_with_a_custom_reward_function(monkeypatch):
+    """`exgrpo-async eval` with actor.verifier.function: the function gets each question's row (by_row:
+    question_id / 10), the best over a question's golds counts, and pass@N needs a reward of 1."""
+    import actors.engine
+    from actors.evaluate import EvalJob
+
+    monkeypatch.setattr(actors.engine, "VLLMEngine", StubEngine)
+    cfg = load_config(None, ["actor.verifier.function=tests.reward_fns:by_row"])
+    job = EvalJob("stub", cfg.model, cfg.actor.engine, cfg.actor.verifier, 2, 1.0, 16, 0, 1)
+    golds = [["4"], ["6630.65", "6630"], ["\\frac{1}{2}"], ["7"]]
+    results = [QuestionResult(i, "s", g[0]) for i, g in enumerate(golds)]
+    out = run_shard(job, ["p0", "p1", "p2", "p3"], golds, results)
+    assert [r.rewards for r in out] == [[0.0, 0.0], [0.1, 0.1], [0.2, 0.2], [0.3, 0.3]]
+    m = aggregate(out)
+    assert m["avg_at_n"] == pytest.approx(0.15) and m["pass_at_n"] == 0.0 and m["verifier_errors"] == 0
+
+
 def test_cli_rejects_missing_model_and_bad_numbers(capsys):
     assert cli_main(["eval", "--data", "x.jsonl"]) == 2
     assert "--model" in capsys.readouterr().err
