@@ -1,5 +1,5 @@
 """`exgrpo-async` command line: train (local learner + actors), learner, actor, eval (benchmark scores),
-report (a run's Markdown report with plots).
+report (a run's Markdown report with plots), config show / config diff (resolved configs as TOML).
 
 Heavy imports (torch, vLLM) happen inside the commands, so `--help` and config errors are instant.
 Config errors print a readable message and exit 2.
@@ -39,6 +39,9 @@ def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON lines; "
                    "child processes inherit it (also: EXGRPO_LOG_FORMAT)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="least severe records "
+                   "shown (default info; child processes inherit it; also: EXGRPO_LOG_LEVEL); debug also shows "
+                   "vLLM's start-up warnings that are dropped otherwise")
     return p
 
 
@@ -65,7 +68,10 @@ def _sigterm_exits() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from exgrpo_async import __version__
+
     ap = argparse.ArgumentParser(prog="exgrpo-async", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"exgrpo-async {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = _common()
     p_train = sub.add_parser("train", parents=[common], help="train with a local learner and actors (default: the CPU demo)")
@@ -113,20 +119,25 @@ def main(argv: list[str] | None = None) -> int:
                               "report.md with PNG plots (a train run writes it at its end too).")
     p_report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/demo/run-...)")
     p_report.add_argument("--out", help="folder for report.md and the PNGs (default: RUN_DIR/report)")
+    _config_commands(sub.add_parser("config", help="show a resolved config, or what differs between two runs'"))
     args = ap.parse_args(argv)
 
-    from exgrpo_async.logs import log_format, setup_logging
+    from exgrpo_async.logs import log_format, log_level, setup_logging
 
+    if args.cmd == "config":
+        return _config(args)
     try:
         log_format(args.log_format)
-    except ValueError as e:  # a bad EXGRPO_LOG_FORMAT
+        log_level(args.log_level)
+    except ValueError as e:  # a bad EXGRPO_LOG_FORMAT or EXGRPO_LOG_LEVEL
         print(f"exgrpo-async: {e}", file=sys.stderr)
         return 2
+    logs = {"fmt": args.log_format, "level_name": args.log_level}
     if args.cmd == "report":
-        setup_logging("report", fmt=args.log_format)
+        setup_logging("report", **logs)
         return _report(args)
     if args.cmd == "train":
-        setup_logging("launch", fmt=args.log_format)
+        setup_logging("launch", **logs)
         from exgrpo_async.launch import train
 
         if args.resume and not args.config:
@@ -134,19 +145,26 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(args.config):
                 print(f"exgrpo-async: --resume {args.resume}: no config.json there (not a run folder?)", file=sys.stderr)
                 return 2
+        from exgrpo_async.metrics import check_trackers
         from exgrpo_async.placement import PlacementError
 
+        cfg = _load(args)
+        try:
+            check_trackers(cfg.metrics.trackers)  # a missing extra fails now, not after the warm start
+        except ValueError as e:
+            print(f"exgrpo-async: {e}", file=sys.stderr)
+            return 2
         try:
             if args.dry_run:
                 from exgrpo_async.launch import dry_run
 
-                return dry_run(_load(args))
-            return train(_load(args), resume_dir=args.resume)
+                return dry_run(cfg)
+            return train(cfg, resume_dir=args.resume)
         except PlacementError as e:
             print(f"exgrpo-async: placement: {e}", file=sys.stderr)
             return 2
     if args.cmd == "learner":
-        setup_logging("learner", fmt=args.log_format)
+        setup_logging("learner", **logs)
         _sigterm_exits()
         _advertise(args.advertise_host)
         from learner.main import main as learner_main
@@ -156,16 +174,43 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return learner_main(_load(args), args.run_dir, args.resume)
     if args.cmd == "actor":
-        setup_logging("actor", str(os.getpid()), fmt=args.log_format)
+        setup_logging("actor", str(os.getpid()), **logs)
         _sigterm_exits()
         _advertise(args.advertise_host)
         from actors.main import main as actor_main
 
         return actor_main(args.learner, args.cpu_cores, args.keys)
     if args.cmd == "eval":
-        setup_logging("eval", fmt=args.log_format)
+        setup_logging("eval", **logs)
         return _eval(args, _load(args))
     return 2
+
+
+def _config_commands(p_config: argparse.ArgumentParser) -> None:
+    sub = p_config.add_subparsers(dest="config_cmd", required=True)
+    p_show = sub.add_parser("show", help="print the resolved config as TOML (defaults filled in)",
+                            description="Print the config that --config and the overrides resolve to, as TOML "
+                            "that `--config` reads back. Keys left unset (null) are listed in a comment: TOML "
+                            "has no null.")
+    _config_args(p_show)
+    p_diff = sub.add_parser("diff", help="what differs between two runs' config.json",
+                            description="Compare two resolved configs (run folders, or config files: TOML or "
+                            "JSON) key by key; prints `key: A -> B` for each difference, exit 0 either way.")
+    p_diff.add_argument("a", metavar="RUN_A", help="a run folder (its config.json) or a config file")
+    p_diff.add_argument("b", metavar="RUN_B", help="the other one")
+
+
+def _config(args) -> int:
+    from exgrpo_async.config import config_diff, config_toml
+
+    if args.config_cmd == "show":
+        print(config_toml(_load(args)), end="")
+        return 0
+    a, b = (_load(argparse.Namespace(config=os.path.join(w, "config.json") if os.path.isdir(w) else w, overrides=[]))
+            for w in (args.a, args.b))
+    lines = config_diff(a, b)
+    print("\n".join(lines) if lines else "the two configs are the same")
+    return 0
 
 
 def _report(args) -> int:

@@ -121,6 +121,21 @@ class VerifierConfig(_Strict):
     without it scores 0. Off for the toy task, on for the think-template recipes."""
     memory_limit_mb: int = Field(4096, gt=0)
     """Address-space cap of each verifier worker (RLIMIT_AS); huge-number inputs fail, not the host."""
+    function: str | None = None
+    """Your own reward instead of math-verify: "package.module:function", called as
+    function(response, gold, row) -> float in [0, 1] in the same worker pool (deadline, memory cap),
+    with `response` the answer region (see `require_think`) and `row` the question's question_id,
+    data_source, answer, prompt and purpose. Imported by the launcher at `train` start and by every
+    actor before any work, so a typo fails at once; a raise or a value outside [0, 1] scores 0
+    (status error, counted, logged in aggregate). Example: "exgrpo_async.rewards:exact_match".
+    None: math-verify (docs/architecture.md, "Bring your own verifier")."""
+
+    @field_validator("function")
+    @classmethod
+    def _function_spec(cls, value: str | None) -> str | None:
+        from exgrpo_async.custom_reward import check_spec  # the form only; importing is the actors' job
+
+        return None if value is None else check_spec(value)
 
 
 class EngineConfig(_Strict):
@@ -390,6 +405,12 @@ class TransportConfig(_Strict):
     reconnect_s: float = Field(300.0, ge=0)
     """After losing the learner, an actor keeps saying hello (to a restarted learner on the same
     address) this long before it exits; its engine stays loaded meanwhile. 0: exit at once."""
+    max_pending_joins: int = Field(64, ge=1)
+    """Actors that may be part-way through joining at once: said hello, weight-sync group not formed yet
+    (an engine starting, a rendezvous under way, or a peer stalled there until `weight_sync.timeout_s`).
+    A hello beyond this is answered "wait" and counted (`joins_refused`); the actor asks again. Bounds
+    the learner's half-joined peers, their threads and pending groups; raise it to start more actors
+    at once."""
 
     @model_validator(mode="after")
     def _remote_needs_keys(self) -> "TransportConfig":
@@ -439,6 +460,25 @@ class MetricsConfig(_Strict):
     verifier_timeout_warning_frac: float = Field(0.05, ge=0, le=1)
     """An actor logs a warning when more than this share of one verification batch times out
     (ExgrpoVerifierTimeouts)."""
+    trackers: list[Literal["wandb", "tensorboard"]] = []
+    """Experiment trackers fed from the same per-step row as metrics.jsonl, with the run's config and its
+    held-out evaluations: "wandb" (Weights & Biases, a run named after the run folder) and/or
+    "tensorboard" (event files in RUN_DIR/tensorboard). Each needs its extra: pip install
+    'exgrpo-async[wandb]' or '[tensorboard]'."""
+    wandb_project: str = "exgrpo-async"
+    """W&B project of the run."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the logged-in user's default."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; "offline" writes RUN_DIR/wandb for a later `wandb sync`. None: W&B's own default
+    (WANDB_MODE, else online)."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _unique_trackers(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a tracker is named twice: {v}")
+        return v
 
 
 class RunConfig(_Strict):
@@ -521,3 +561,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_json(text: str) -> RunConfig:
     """The inverse of `config.model_dump_json()`; used by actors receiving the learner's config."""
     return RunConfig.model_validate(json.loads(text))
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}"))
+    return out
+
+
+def config_toml(cfg: RunConfig) -> str:
+    """The config as TOML that `load_config` reads back to an equal config. TOML has no null: unset
+    keys are left out, which reads back as unset, and named in a leading comment."""
+    import tomli_w
+
+    tree = cfg.model_dump(mode="json")
+    unset = [k for k, v in _flat(tree).items() if v is None]
+
+    def drop_none(node: Any) -> Any:
+        return {k: drop_none(v) for k, v in node.items() if v is not None} if isinstance(node, dict) else node
+
+    head = "# exgrpo-async resolved config\n"
+    if unset:
+        head += "# unset (null): " + ", ".join(unset) + "\n"
+    return head + tomli_w.dumps(drop_none(tree))
+
+
+def config_diff(a: RunConfig, b: RunConfig) -> list[str]:
+    """`key: A -> B` for every key whose value differs between two configs, in key order."""
+    fa, fb = _flat(a.model_dump(mode="json")), _flat(b.model_dump(mode="json"))
+    return [f"{k}: {json.dumps(fa.get(k))} -> {json.dumps(fb.get(k))}" for k in sorted(fa.keys() | fb.keys())
+            if fa.get(k) != fb.get(k)]

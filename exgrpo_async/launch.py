@@ -3,6 +3,8 @@
 The learner and every actor are separate OS processes started exactly as a user would start them on
 several hosts (`exgrpo-async learner` / `exgrpo-async actor --learner ADDR [--keys DIR]`); this launcher only adds
 local conveniences: the toy policy, the run folder, one CPU core per actor, and clean shutdown.
+A custom reward function (`actor.verifier.function`) is imported here first, before anything starts, so a
+typo is one clear line and exit code 2, not actors failing one after another.
 Shutdown: Ctrl-C or SIGTERM reaches every child (SIGTERM, then SIGKILL after a grace period); children
 also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so no process is orphaned.
 """
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
+from exgrpo_async.custom_reward import RewardFunctionError, load_reward_function
 from exgrpo_async.layout import balance, resolve
 from exgrpo_async.placement import PlacementError, plan, visible
 
@@ -143,6 +146,12 @@ def check_devices(gpu_plan, visible_gpus: int) -> None:
 
 
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
+    if cfg.actor.verifier.function is not None:
+        try:  # cheap (a Python import) and here the only message: actors would each fail with it
+            load_reward_function(cfg.actor.verifier.function)
+        except RewardFunctionError as e:
+            print(f"exgrpo-async: {e}", file=sys.stderr)
+            return 2
     cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
     if gpu_plan is not None:
@@ -261,5 +270,5 @@ def print_summary(s: dict) -> None:
     print(f"{'generated tokens/s':38s}{s['tokens_per_s']:>20.0f}")
     print(f"{'weight sync, mean broadcast (s)':38s}{s['sync_seconds_mean']:>20.4f}")
     print(f"{'stale groups dropped / skipped steps':38s}{str(s['stale_dropped']) + ' / ' + str(s['skipped_steps']):>20s}")
-    print(balance(s.get("learner_idle_median"), s.get("actor_idle_median")))
+    print(balance(s.get("learner_idle_median"), s.get("actor_idle_median"), s.get("cores_busy_median")))
     print(f"final model: {s['final_model']}", flush=True)

@@ -11,12 +11,16 @@ writes the run's config.json, so the run folder records what was chosen:
   at half speed with 2 actors of equal priority (docs/benchmarks.md "Where the learner's step goes").
 - GPU: every GPU the learner's ranks do not take generates, one tensor-parallel group per actor.
 `balance` reads a run's measured idle shares and says which side to give more (the summary prints it),
-so a user moves cores or GPUs from the idle side to the busy one on the next run.
+so a user moves cores or GPUs from the idle side to the busy one on the next run. On CPU the two sides
+share cores, so a side's idle share is not idle hardware: `CoreClock` measures how busy the run's
+cores were (by anyone), and the balance line says when one side's idle time went to the other.
 """
 
 from __future__ import annotations
 
 import os
+
+import psutil
 
 from exgrpo_async.config import RunConfig
 
@@ -58,11 +62,36 @@ def standalone_threads(cfg: RunConfig) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local)
 
 
-def balance(learner_idle: float | None, actor_idle: float | None) -> str:
-    """One line on the run's balance from the median idle shares of its steps, and which way to move."""
+class CoreClock:
+    """How busy this process's CPU cores (its affinity: on `train`'s CPU layout, the run's cores) were
+    between two calls, from the kernel's per-core counters: 1 - idle / elapsed, whoever ran."""
+
+    def __init__(self) -> None:
+        self.cores = sorted(os.sched_getaffinity(0))
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        per_core = psutil.cpu_times(percpu=True)
+        times = [per_core[c] for c in self.cores if c < len(per_core)]
+        idle = sum(t.idle + getattr(t, "iowait", 0.0) for t in times)
+        return sum(sum(t) for t in times), idle
+
+    def busy_since_last(self) -> float | None:
+        """The cores' busy share since the previous call (None when no time was counted)."""
+        (total, idle), (total0, idle0) = self._read(), self._last
+        self._last = (total, idle)
+        elapsed = total - total0
+        return None if elapsed <= 0 else min(1.0, max(0.0, 1.0 - (idle - idle0) / elapsed))
+
+
+def balance(learner_idle: float | None, actor_idle: float | None, cores_busy: float | None = None) -> str:
+    """One line on the run's balance from the median idle shares of its steps, and which way to move;
+    with the cores' busy share when measured (on shared CPU cores one side's idle time is the other's)."""
     if learner_idle is None or actor_idle is None:
         return "balance: not measured (too few steps)"
     line = f"balance: learner idle {learner_idle:.0%}, actors idle {actor_idle:.0%}"
+    if cores_busy is not None:
+        line += f", CPU cores busy {cores_busy:.0%}"
     if actor_idle > IDLE_TARGET and actor_idle > learner_idle:
         return line + ": learner-bound; give the learner more (fewer actors, more learner threads or GPUs)"
     if learner_idle > IDLE_TARGET and learner_idle > actor_idle:
@@ -71,10 +100,12 @@ def balance(learner_idle: float | None, actor_idle: float | None) -> str:
 
 
 def idle_medians(idle: dict[str, list[float]], skip: int = 5) -> dict[str, float | None]:
-    """The summary's median idle shares of the learner and the actors, over the steps after the first
-    `skip` (start-up: the first batches are generated while the learner has nothing to train)."""
+    """The summary's median idle shares of the learner and the actors (and the cores' busy share), over
+    the steps after the first `skip` (start-up: the first batches are generated while the learner has
+    nothing to train)."""
     def median(xs: list[float]) -> float | None:
         xs = sorted(xs[skip:] if len(xs) > skip else xs)
         return xs[len(xs) // 2] if xs else None
 
-    return {"learner_idle_median": median(idle["learner"]), "actor_idle_median": median(idle["actor"])}
+    return {"learner_idle_median": median(idle["learner"]), "actor_idle_median": median(idle["actor"]),
+            "cores_busy_median": median(idle.get("cores", []))}

@@ -6,6 +6,10 @@ comes from the `log_format` config key, the `--log-format` flag, or the EXGRPO_L
 variable, which child processes inherit, so a launcher's actors and their vLLM workers log alike.
 Python warnings become log records too; what C++ libraries print to stderr themselves (torch's
 `[W...]` lines) bypasses Python and stays as it is.
+
+The level comes from `--log-level` or EXGRPO_LOG_LEVEL (inherited the same way; default info). Below
+debug, vLLM's start-up warnings that tell a user of this project nothing (`VLLM_NOISE`: each actor
+prints them, some on every weight reload) are dropped; `--log-level debug` shows them and vLLM's info.
 """
 
 from __future__ import annotations
@@ -18,6 +22,24 @@ import sys
 
 ENV = "EXGRPO_LOG_FORMAT"
 FORMATS = ("text", "json")
+LEVEL_ENV = "EXGRPO_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
+# Substrings of vLLM's warnings (and Python warnings raised in vLLM's code) that are expected on this
+# project's set-up: the CPU backend's thread binding, the preload and Triton hints, the eager mode we
+# choose, the seed we set, deprecations inside vLLM.
+VLLM_NOISE = ("`torch.set_num_threads` after the thread binding", "is not found in LD_PRELOAD", "Triton",
+              "triton-cpu", "Reset SSM cache type", "Model Runner V2", "Inductor compilation was disabled",
+              "Enforce eager set", "The global random seed is set to", "torch.distributed.reduce_op")
+
+
+class DropVllmNoise(logging.Filter):
+    """Drops the records of `VLLM_NOISE` (from vLLM's loggers, or Python warnings about vLLM's files)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (record.name.startswith("vllm") or (record.name == "py.warnings" and "/vllm/" in str(record.msg))):
+            return True
+        message = record.getMessage()
+        return not any(s in message for s in VLLM_NOISE)
 
 
 class JsonLinesFormatter(logging.Formatter):
@@ -44,11 +66,23 @@ def log_format(requested: str | None = None) -> str:
     return fmt
 
 
-def setup_logging(role: str, ident: str = "", level: int = logging.INFO, fmt: str | None = None) -> None:
+def log_level(requested: str | None = None) -> str:
+    """The level to use: `requested`, else $EXGRPO_LOG_LEVEL, else info; anything else is an error."""
+    level = (requested or os.environ.get(LEVEL_ENV) or "info").lower()
+    if level not in LEVELS:
+        raise ValueError(f"log level {level!r}: use one of {', '.join(LEVELS)} ({LEVEL_ENV} or --log-level)")
+    return level
+
+
+def setup_logging(role: str, ident: str = "", level: int | None = None, fmt: str | None = None,
+                  level_name: str | None = None) -> None:
     """(Re)configure the root logger; call again with the id once it is known (an actor's comes from
-    the learner). The chosen format is exported to $EXGRPO_LOG_FORMAT for child processes."""
+    the learner). The chosen format and level are exported ($EXGRPO_LOG_FORMAT, $EXGRPO_LOG_LEVEL) for
+    child processes; `level` (a logging constant) overrides the level of this process only."""
     fmt = log_format(fmt)
     os.environ[ENV] = fmt
+    name = os.environ[LEVEL_ENV] = log_level(level_name)
+    debug = name == "debug"
     # vLLM otherwise installs its own handler and format on its loggers; without it they reach ours
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     if fmt == "json":  # progress bars are not JSON lines (Hugging Face's; vLLM's are off in engine_kwargs)
@@ -61,6 +95,9 @@ def setup_logging(role: str, ident: str = "", level: int = logging.INFO, fmt: st
         tag = f"{role}{'/' + ident if ident else ''}"
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s",
                                                datefmt="%H:%M:%S"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    if not debug:
+        handler.addFilter(DropVllmNoise())
+    logging.basicConfig(level=level if level is not None else getattr(logging, name.upper()), handlers=[handler],
+                        force=True)
     for noisy in ("vllm", "transformers", "urllib3", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)

@@ -8,6 +8,7 @@ docs/metrics.md; tests/unit/test_metrics.py checks that the two agree.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 
@@ -47,3 +48,12 @@ class MetricsEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def check_trackers(names: list[str]) -> None:
+    """ValueError naming the extra to install when a tracker of `metrics.trackers` lacks its library
+    (checked by `train` before anything starts, and by the learner before it builds anything)."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:  # the extras are named after their packages
+            raise ValueError(f"metrics.trackers has {name!r} but the {name} package is not installed: "
+                             f"pip install 'exgrpo-async[{name}]'")

@@ -18,8 +18,9 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.data import QuestionSampler, load_pool, render_prompt, set_chat_template
-from exgrpo_async.layout import idle_medians
+from exgrpo_async.layout import CoreClock, idle_medians
 from exgrpo_async.logs import log_format
+from exgrpo_async.metrics import check_trackers
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
                                 unpack_ragged)
@@ -31,6 +32,7 @@ from learner.model import pick_device, save_policy
 from learner.policy import Policy
 from learner.ranks import Ranks
 from learner.server import LearnerServer, actor_idle_share
+from learner.trackers import Trackers
 from learner.update import Batch
 
 log = logging.getLogger("exgrpo_async.learner")
@@ -47,6 +49,7 @@ class Shell:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool, ranks: Ranks):
         self.cfg, self.run_dir = cfg, run_dir
         L = cfg.learner
+        check_trackers(cfg.metrics.trackers)  # a missing extra fails before the model is built
         self.ranks = ranks
         self.device = ranks.device if ranks.world > 1 else pick_device(L.device)
         torch.manual_seed(L.seed)
@@ -69,11 +72,13 @@ class Shell:
         self.resumed = self._restore() if resume else False
         self._start_server()
         self.metrics_f = open(run_dir / "metrics.jsonl", "a")
+        self.trackers = Trackers(cfg.metrics, run_dir, cfg.model_dump(mode="json"), self.start_step, self.resumed)
         self._tokens_at_start, self._rollouts_at_start = self.totals["tokens"], self.totals["rollouts"]
         self._next_eval_tokens = self._after(self.totals["tokens"], L.eval_every_tokens)
         self._n_syncs = self._n_updates = self._empty_buffer_steps = 0
         self._busy: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
-        self._idle: dict[str, list[float]] = {"learner": [], "actor": []}  # per step, for the summary's balance
+        self._idle: dict[str, list[float]] = {"learner": [], "actor": [], "cores": []}  # per step, for the balance
+        self._cores = CoreClock()
         self.t_start = self._t_progress = self._stall_warned = self._progress_logged = time.time()
 
     # ------------------------------------------------------------------ set-up
@@ -200,12 +205,15 @@ class Shell:
         busy_before, self._busy = self._busy, dict(s.actor_busy)  # a copy: the server thread writes it
         now = time.time()
         learner_idle, actor_idle = t_wait / max(1e-9, now - t_step), actor_idle_share(busy_before, self._busy)
+        cores_busy = self._cores.busy_since_last()
         if actor_idle is not None:
             self._idle["learner"].append(learner_idle)
             self._idle["actor"].append(actor_idle)
+            if cores_busy is not None:
+                self._idle["cores"].append(cores_busy)
         return {"sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": now - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
-                "learner_idle_frac": learner_idle, "actor_idle_frac": actor_idle,
+                "learner_idle_frac": learner_idle, "actor_idle_frac": actor_idle, "cores_busy_frac": cores_busy,
                 "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
                 "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
                 "update_stall_max_seconds": max((u["stall"] for u in updates), default=None)}
@@ -223,6 +231,7 @@ class Shell:
         """Write the row (metrics.jsonl, Prometheus), warn on an empty buffer, move the progress bar."""
         self.metrics_f.write(json.dumps(row) + "\n")
         self.metrics_f.flush()
+        self.trackers.log_step(row)
         if self.prom is not None:
             self.prom.observe_step(row, {k: self.server.counters[k] for k in ("hellos", "actors_lost", "work_reissued",
                                                                             "work_released", "sync_failures")})
@@ -257,6 +266,7 @@ class Shell:
     def evaluate_before(self) -> None:
         if self.eval_pool and not self.resumed:
             self.summary["before"] = self._eval(self.version)
+            self.trackers.log_eval(0, self.summary["before"])
             log.info("held-out before: %s", self.summary["before"])
         self.t_start = time.time()
 
@@ -278,6 +288,7 @@ class Shell:
         self._next_eval_tokens = self._after(self.totals["tokens"], self.cfg.learner.eval_every_tokens)
         self.metrics_f.write(json.dumps({"step": step, "policy_version": self.version,
                                          "tokens_generated_total": self.totals["tokens"], "eval": ev}) + "\n")
+        self.trackers.log_eval(step, ev)
         self.keep_if_best(step, ev)
 
     def keep_if_best(self, step: int, ev: dict) -> None:
@@ -318,6 +329,7 @@ class Shell:
         rl_seconds = time.time() - self.t_start
         if self.eval_pool:
             self.summary["after"] = self._eval(self.version)
+            self.trackers.log_eval(last_step, self.summary["after"])
             self.keep_if_best(last_step, self.summary["after"])
         save_policy(self.model, self.tokenizer, self.run_dir / "final", self.cfg.model.dtype,
                     weights=self.policy.full_state(optimizer=False)[0])
@@ -345,12 +357,14 @@ class Shell:
             "final_model": str(self.run_dir / "final"),
         })
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        self.trackers.log_summary(self.summary)
         return self.summary
 
     def close(self, crashed: bool) -> None:
         if not crashed and not self._stopped:  # interrupted between steps: release the other ranks
             self.policy.stop()
         self.metrics_f.close()
+        self.trackers.close(crashed)
         self.server.stop()
         if not crashed:  # a crashed learner leaves its targets listed: down targets are what alerts see
             self.server.targets.close()

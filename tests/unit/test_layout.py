@@ -2,6 +2,8 @@
 gets when the config leaves them unset, what the planner makes of it on GPU nodes, and the balance
 line the summary prints from measured idle shares."""
 
+import os
+
 import pytest
 
 from exgrpo_async.config import load_config
@@ -56,6 +58,43 @@ def test_balance_says_which_side_to_give_more(learner, actor, verdict):
 
 
 def test_idle_medians_leave_out_the_start():
-    idle = {"learner": [0.9] * 5 + [0.1, 0.2, 0.3], "actor": [0.0] * 5 + [0.5, 0.4, 0.6]}
-    assert idle_medians(idle) == {"learner_idle_median": 0.2, "actor_idle_median": 0.5}
-    assert idle_medians({"learner": [], "actor": []}) == {"learner_idle_median": None, "actor_idle_median": None}
+    idle = {"learner": [0.9] * 5 + [0.1, 0.2, 0.3], "actor": [0.0] * 5 + [0.5, 0.4, 0.6],
+            "cores": [0.5] * 5 + [0.97, 0.99, 0.98]}
+    assert idle_medians(idle) == {"learner_idle_median": 0.2, "actor_idle_median": 0.5, "cores_busy_median": 0.98}
+    assert idle_medians({"learner": [], "actor": []}) == {"learner_idle_median": None, "actor_idle_median": None,
+                                                         "cores_busy_median": None}
+
+
+def test_the_balance_line_shows_the_cores_busy_share():
+    assert "CPU cores busy 97%" in balance(0.27, 0.08, 0.97)
+    assert "busy" not in balance(0.27, 0.08)
+
+
+def test_the_core_clock_sees_a_busy_core():
+    """A spinning process on one of this process's cores makes that core's clock read busy."""
+    import multiprocessing as mp
+    import time
+
+    from exgrpo_async.layout import CoreClock
+
+    core = sorted(os.sched_getaffinity(0))[0]
+    clock = CoreClock()
+    clock.cores = [core]
+    clock.busy_since_last()
+    stop = mp.get_context("spawn").Event()
+    spin = mp.get_context("spawn").Process(target=_spin, args=(core, stop))
+    spin.start()
+    try:
+        time.sleep(1.5)
+        clock.busy_since_last()  # the spinner's start-up is left out
+        time.sleep(1.0)
+        assert clock.busy_since_last() > 0.9
+    finally:
+        stop.set()
+        spin.join()
+
+
+def _spin(core: int, stop) -> None:
+    os.sched_setaffinity(0, {core})
+    while not stop.is_set():
+        pass
