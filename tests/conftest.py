@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny randomly initialised Qwen2 policies built locally (no model hub)."""
+"""Shared fixtures: tiny randomly initialised Qwen2 policies built locally (no model hub).
+
+Selection: tests that take more than about 20 s (every `exgrpo-async train` run, every vLLM engine,
+real multi-process runs) are marked `slow`; `-m "not slow"` is the quick selection (the unit tests
+and the quick integration tests, under 5 minutes on 2 cores). To keep that true, the session ends
+with a list of the tests not marked slow that took longer than FAST_LIMIT_S (setup, call and
+teardown together); with EXGRPO_CHECK_FAST=1 such a test fails the session.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+FAST_LIMIT_S = 30.0
+_unmarked_seconds: dict[str, float] = {}  # test id -> seconds, for tests not marked slow
 
 
 def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
@@ -49,3 +58,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    if "slow" not in report.keywords:
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    too_long = {k: v for k, v in _unmarked_seconds.items() if v > FAST_LIMIT_S}
+    if not too_long:
+        return
+    strict = os.environ.get("EXGRPO_CHECK_FAST") == "1"
+    terminalreporter.section(f"tests not marked slow that took over {FAST_LIMIT_S:.0f} s", red=strict,
+                             yellow=not strict)
+    for nodeid, seconds in sorted(too_long.items(), key=lambda kv: -kv[1]):
+        terminalreporter.line(f"{seconds:7.1f} s  {nodeid}")
+    terminalreporter.line("mark them @pytest.mark.slow (the quick selection, -m 'not slow', must stay under 5 minutes)"
+                          + ("; EXGRPO_CHECK_FAST=1: this fails the session" if strict
+                             else "; EXGRPO_CHECK_FAST=1 makes this an error"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("EXGRPO_CHECK_FAST") == "1" and exitstatus == 0 and any(
+            v > FAST_LIMIT_S for v in _unmarked_seconds.values()):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

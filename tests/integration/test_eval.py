@@ -1,8 +1,12 @@
-"""`exgrpo-async eval` with the real vLLM engine and math-verify on the tiny untrained policy.
+"""`exgrpo-async eval` with the real vLLM engine and math-verify.
 
-Its answers are garbage, so correctness is checked against itself: golds taken from its own greedy
-output must score 1 and wrong golds 0. A slice of a real benchmark file and the whole CLI (two engine
-processes, a verl-format file, the JSON report) run too.
+Accuracy is measured for real: the warm-started toy policy (the one `train` starts from) answers the toy
+task's held-out questions greedily, with their true answers as golds (regenerated here by
+`toy.make_test_set`, never stored in the repo). Each score must equal an independent check of the same
+completion (the toy's own reward: the last \\boxed{N} read as an integer), the averages must be those
+scores' means, and the accuracy must agree with the warm start's greedy accuracy that transformers'
+generate measured when the policy was built (sft.json). A slice of a real benchmark file and the whole
+CLI (two engine processes, a verl-format file, the JSON report) run too.
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ import pytest
 
 from actors.evaluate import evaluate
 from exgrpo_async.config import load_config
+from exgrpo_async.toy import boxed_int_correct, make_test_set
 from tests.integration.helpers import cli
+
+pytestmark = pytest.mark.slow  # vLLM engines on the toy policy and a benchmark slice: 1-3 min each
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 MATH500 = SHARED_DATA / "qwen_eval" / "math500" / "test.jsonl"
 VALID = SHARED_DATA / "exgrpo_luffy" / "valid.parquet"
-# With tied embeddings the untrained model tends to repeat the prompt's last character, so prompts that end
-# in a digit give greedy answers with numbers in them.
-PROBLEMS = ["1+1=2", "What is 7-2? 5", "Sum 4 and 5: 9", "x=3, y=4", "Compute 12/4 = 3", "9^2 is 81"]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -32,31 +36,38 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_own_greedy_answers_score_and_benchmark_slice(tiny_tied, tmp_path):
-    from math_verify import parse
+def test_toy_accuracy_is_measured_against_true_answers_and_a_benchmark_slice(small, tmp_path):
+    from exgrpo_async.launch import resolve_toy
 
-    cfg = load_config(None, [])
-    toy = write_jsonl(tmp_path / "toy.jsonl", [{"problem": p, "answer": "0"} for p in PROBLEMS])
+    cfg = resolve_toy(load_config(None, small))  # builds (or reuses) the session's warm-started toy policy
+    golds = make_test_set(cfg.toy.seed)
+    toy = write_jsonl(tmp_path / "toy.jsonl", [{"problem": g["problem"], "answer": g["answer"],
+                                                "data_source": g["kind"]} for g in golds])
     files = [toy] + ([MATH500] if MATH500.exists() else [])
-    first = evaluate(cfg, str(tiny_tied), files, samples=2, temperature=0.0, max_tokens=24, limit=4)
-    assert first["samples"] == 1  # greedy: one sample per question, whatever was asked
-    toy_rs = [r for r in first["questions"] if r.source == "toy"]
-    assert len(toy_rs) == 4 and all(len(r.rewards) == 1 for r in toy_rs)
-    if MATH500.exists():  # a real slice: 4 questions, each generated (they fit) or counted too long
-        m = first["by_source"]["math500/test"]
-        assert m["questions"] + m["too_long"] == 4 and m["questions"] >= 1
+    report = evaluate(cfg, cfg.model.path, files, samples=2, temperature=0.0, max_tokens=cfg.rollout.max_new_tokens,
+                      limit=40)
+    assert report["samples"] == 1  # greedy: one sample per question, whatever was asked
+    toy_rs = [r for r in report["questions"] if r.source != "math500/test"]
+    assert [(r.source, r.answer) for r in toy_rs] == [(g["kind"], g["answer"]) for g in golds]  # all 200, in order
+    assert all(len(r.rewards) == len(r.completions) == 1 for r in toy_rs)
+    # every score equals the toy's own reward of the same completion (math-verify not involved)
+    mine = [float(boxed_int_correct(r.completions[0], r.answer)) for r in toy_rs]
+    assert [r.rewards[0] for r in toy_rs] == mine, [(r.completions[0], r.answer, r.rewards) for r in toy_rs][:10]
+    by_kind = report["by_source"]
+    for kind in {g["kind"] for g in golds}:
+        scores = [m for m, r in zip(mine, toy_rs) if r.source == kind]
+        assert by_kind[kind]["avg_at_n"] == pytest.approx(sum(scores) / len(scores))
+        assert by_kind[kind]["pass_at_n"] == pytest.approx(sum(scores) / len(scores))  # one greedy sample
+    accuracy = sum(mine) / len(mine)
+    # a measurement, not a constant: some answers right, most of the hard ones wrong; and the same policy's
+    # greedy accuracy on the same questions under transformers' generate, measured when it was built
+    assert 0.05 < accuracy < 0.95, accuracy
+    sft = json.loads((Path(cfg.model.path).parent / "sft.json").read_text())
+    assert accuracy == pytest.approx(sft["greedy_accuracy"], abs=0.03), (accuracy, sft)
+    if MATH500.exists():  # a real slice: 40 questions, each generated (they fit) or counted too long
+        m = by_kind["math500/test"]
+        assert m["questions"] + m["too_long"] == 40 and m["questions"] >= 1
         assert m["samples"] == m["questions"] and m["verifier_errors"] == 0 and m["verifier_timeouts"] == 0
-    # golds from the model's own greedy answers (what math-verify reads in them), and a wrong one each
-    own = [(p, parse(r.completions[0])) for p, r in zip(PROBLEMS, toy_rs)]
-    own = [(p, str(found[1])) for p, found in own if found]
-    assert own, f"no greedy answer holds anything math-verify can read: {[r.completions[0] for r in toy_rs]}"
-    rows = [{"problem": p, "answer": g, "data_source": "own"} for p, g in own]
-    rows += [{"problem": p, "answer": "987654321", "data_source": "wrong"} for p, _ in own]
-    second = evaluate(cfg, str(tiny_tied), [write_jsonl(tmp_path / "own.jsonl", rows)], samples=1, temperature=0.0,
-                      max_tokens=24)
-    assert second["by_source"]["own"]["avg_at_n"] == 1.0 and second["by_source"]["own"]["pass_at_n"] == 1.0
-    assert second["by_source"]["wrong"]["avg_at_n"] == 0.0 and second["by_source"]["wrong"]["pass_at_n"] == 0.0
-    assert second["overall"]["avg_at_n"] == pytest.approx(0.5)
 
 
 def test_cli_end_to_end(tiny_tied, tmp_path):

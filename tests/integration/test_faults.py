@@ -27,9 +27,12 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from exgrpo_async.wire import encode_control
 from tests.integration.helpers import children_of, cli
+
+pytestmark = pytest.mark.slow  # real `train` runs with faults: 2-5 min each
 
 FAST_FAILURE = ["transport.actor_timeout_s=10", "transport.heartbeat_s=0.5", "data.eval_file=none", "metrics.port=none"]
 
@@ -78,25 +81,44 @@ def check_books(run_dir: Path, steps: int) -> dict:
     return summary
 
 
-def send_junk(address: str) -> int:
-    """Malformed, truncated, wrong-schema, unknown and oversized messages from peers that never said
-    hello; returns how many the learner must count as bad (the oversized one is refused by ZeroMQ
-    before it is read, so it is not counted: the run going on is the check)."""
+def monitored(address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to `address` (the TCP connection made), and its monitor socket."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 1000)
+    mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     s.connect(address)
-    s.send(b"\xc1 not msgpack")
-    s.send(encode_control("work", version=0)[0][:3])  # truncated header
-    s.send(msgpack.packb({"v": 99, "t": "hello", "host": "x", "pid": 1}))  # a future schema version
-    s.send(encode_control("rollouts", work_id=1)[0])  # rollouts without their frames, and no hello
-    s.send(encode_control("bogus")[0])  # unknown type
+    assert next_event(mon, 30) == zmq.EVENT_CONNECTED
+    return s, mon
+
+
+def next_event(mon: zmq.Socket, timeout_s: float) -> int | None:
+    return recv_monitor_message(mon)["event"] if mon.poll(timeout_s * 1000) else None
+
+
+def send_junk(address: str, log: Path, proc: subprocess.Popen) -> int:
+    """Malformed, truncated, wrong-schema, unknown and half-cap-sized messages from a peer that never said
+    hello, each read and counted as bad; then a message above transport.max_message_mb=1 from another
+    peer, which ZeroMQ refuses unread: it drops that peer's connection (and only that one: the first
+    peer stays connected, so the learner did not just exit) and nothing more is counted.
+    Returns how many the learner counted (waiting until its log says so)."""
+    s, mon = monitored(address)
+    junk = [b"\xc1 not msgpack",
+            encode_control("work", version=0)[0][:3],  # truncated header
+            msgpack.packb({"v": 99, "t": "hello", "host": "x", "pid": 1}),  # a future schema version
+            encode_control("rollouts", work_id=1)[0],  # rollouts without their frames, and no hello
+            encode_control("bogus")[0],  # unknown type
+            b"\xc1" * (1 << 19)]  # half the size cap: read (and not msgpack)
+    for frame in junk:
+        s.send(frame)
+    wait_for(lambda: f"; {len(junk)} so far" in log.read_text(), 60, "the learner to count the junk", proc)
+    big, big_mon = monitored(address)
+    big.send(b"\0" * (2 << 20))  # twice the cap
+    assert next_event(big_mon, 20) == zmq.EVENT_DISCONNECTED, "a message above the cap did not cost its connection"
+    assert next_event(mon, 0.2) is None and proc.poll() is None, "the learner dropped every peer, not the oversized one"
+    assert f"; {len(junk) + 1} so far" not in log.read_text(), "the message above the cap was read"
     s.close()
-    big = zmq.Context.instance().socket(zmq.DEALER)  # above transport.max_message_mb=1: refused unread
-    big.setsockopt(zmq.LINGER, 1000)
-    big.connect(address)
-    big.send(b"\0" * (2 << 20))
     big.close()
-    return 5
+    return len(junk)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["learner1", "learner2"])
@@ -116,7 +138,7 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
         # an actor joins while training runs: it gets the current weights and its work counts
         extra = subprocess.Popen(cli(["actor", "--learner", address]), stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(r["actors"] == 2 for r in rows_of(run_dir)), 180, "the second actor to join", proc)
-        n_junk = send_junk(address)
+        n_junk = send_junk(address, tmp_path / "train.log", proc)
         (first,) = actor_pids(proc.pid)
         first_children = children_of(first)
         os.kill(first, signal.SIGKILL)  # mid-step: it holds work
@@ -131,7 +153,7 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
     assert summary["actors_joined"] == 3 and summary["actors_lost"] == 1
     assert "restarting it" in (tmp_path / "train.log").read_text()
     assert summary["skipped_steps"] == 1  # the NaN step's update was skipped and counted
-    assert summary["bad_messages"] >= n_junk
+    assert summary["bad_messages"] == n_junk  # the junk exactly: the oversized message was never read
     rows = rows_of(run_dir)
     assert [r["skipped_steps_total"] for r in rows][2:4] == [1, 1]
     assert extra.wait(timeout=60) == 0  # the elastic actor was told to stop at the end

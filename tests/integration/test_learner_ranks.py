@@ -114,6 +114,7 @@ def runs(tmp_path_factory):
     return one, two, resumed, resumed_on_two
 
 
+@pytest.mark.slow  # the `runs` fixture: four multi-process runs, about 35 s
 def test_two_ranks_train_the_step_of_one(runs):
     one, two, *_ = runs
     for a, b in zip(one["steps"], two["steps"]):
@@ -132,6 +133,7 @@ def test_two_ranks_train_the_step_of_one(runs):
     _close(two["weights"], one["weights"], atol=1e-2 * LR)
 
 
+@pytest.mark.slow  # the `runs` fixture: four multi-process runs, about 35 s
 def test_selection_pass_and_publish_match(runs):
     one, two, *_ = runs
     assert two["scores"] == pytest.approx(one["scores"], rel=1e-4)
@@ -140,6 +142,7 @@ def test_selection_pass_and_publish_match(runs):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-2 * LR)  # the weights, packed
 
 
+@pytest.mark.slow  # the `runs` fixture: four multi-process runs, about 35 s
 def test_a_checkpoint_resumes_into_another_world_size(runs):
     one, two, two_to_one, one_to_two = runs
     assert two_to_one["steps"][0]["losses"] == pytest.approx(two["steps"][2]["losses"], rel=1e-4)

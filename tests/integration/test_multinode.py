@@ -22,9 +22,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from exgrpo_async.config import load_config
 from exgrpo_async.launch import resolve_toy
 from tests.integration.helpers import children_of
+
+pytestmark = pytest.mark.slow  # two nodes' learner ranks and an actor: 2-4 min
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SH = ROOT / "ops" / "slurm" / "node.sh"

@@ -26,6 +26,8 @@ import pytest
 from tests.integration.helpers import cli
 from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary
 
+pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 min
+
 OPS = Path(__file__).resolve().parents[2] / "ops"
 STEPS = 12
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from actors.engine import AsyncVLLMEngine
 from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.weight_sync import WeightPublisher
 from tests.integration.test_weight_sync_vllm import LONG, SHORT, hf_greedy, hf_logprobs
+
+pytestmark = pytest.mark.slow  # a vLLM AsyncLLM engine: about 60 s
 
 
 def perturb(model, scale: float = 0.05) -> None:

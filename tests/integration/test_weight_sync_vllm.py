@@ -61,7 +61,8 @@ def hf_logprobs(model, prompt_ids: list[int], completion: list[int]) -> torch.Te
 
 
 @pytest.mark.parametrize("policy,reload,tp", [("tiny_tied", "prepacked", 1), ("tiny_untied", "prepacked", 1),
-                                              ("tiny_tied", "layerwise", 1), ("tiny_untied", "prepacked", 2)])
+                                              ("tiny_tied", "layerwise", 1),
+                                              pytest.param("tiny_untied", "prepacked", 2, marks=pytest.mark.slow)])
 def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -79,6 +79,11 @@ def _records(level_name: str) -> str:
 
 def test_vllm_start_up_noise_is_dropped_unless_debug(monkeypatch):
     monkeypatch.delenv("EXGRPO_LOG_LEVEL", raising=False)
+    # vLLM imported in this test process earlier (another test) installs its own handler unless our
+    # set-up ran first, as it does in every process of ours: undo that here
+    vllm_root = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_root, "propagate", True)
+    monkeypatch.setattr(vllm_root, "handlers", [])
     try:
         quiet = _records("info")
         assert "KV cache is full" in quiet

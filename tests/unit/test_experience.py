@@ -104,3 +104,14 @@ def test_switch_is_tracked_with_exgrpo_off_for_the_clip_schedule():
     assert not ex.started
     row = _end(ex, disp, [(WorkItem(1, 1, K, "train", 1.0), _group(1, [1, 1, 0, 0]))])
     assert row == {} and ex.started and not ex.mixed and ex.buffer.num_questions == 0
+
+
+def test_delayed_start_fires_at_the_first_step_whose_pass_rate_exceeds_the_threshold():
+    """pass@1 below or equal to the threshold does not switch; the first step above it does (its row already
+    says mixed, its batch was not collected), and the switch stays on when pass@1 falls again."""
+    cfg, _, disp, ex = _setup("exgrpo.delayed_start=true", "exgrpo.start_threshold=0.5")
+    trace = []
+    for step, rewards in enumerate([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], start=1):
+        row = _end(ex, disp, [(WorkItem(step, step, K, "train", 1.0), _group(step, rewards))], step=step)
+        trace.append((row["exgrpo_mixed"], row["exgrpo_collecting"], ex.buffer.num_questions))
+    assert trace == [(False, False, 0), (False, False, 0), (True, False, 0), (True, True, 0), (True, True, 1)]
