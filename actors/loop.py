@@ -99,8 +99,10 @@ def check_reply(reply: dict, expected: tuple[str, ...], address: str) -> dict:
             if not isinstance(it, dict):
                 raise bad("a work item is not a map")
             typed(it, ITEM_FIELDS)
-            if it["n"] < 1 or it["purpose"] not in ("train", "eval") or not isinstance(it.get("replay_ids", b""), bytes):
-                raise bad("a work item's n, purpose or replay ids")
+            seed = it.get("seed")
+            if (it["n"] < 1 or it["purpose"] not in ("train", "eval") or not isinstance(it.get("replay_ids", b""), bytes)
+                    or seed is not None and (not isinstance(seed, int) or isinstance(seed, bool))):
+                raise bad("a work item's n, purpose, replay ids or seed")
     return reply
 
 
@@ -133,7 +135,7 @@ def join(address: str, keys_dir: str | None, patience_s: float, timeout_s: float
             raise ProtocolError(f"the learner at {address} answered hello with a malformed message ({e})") from None
         if welcome["t"] == "wait":  # too many actors are joining right now: not registered, ask again
             if time.monotonic() - last_wait_log > 30:
-                log.warning("the learner at %s has too many actors joining; asking again every %.0fs",
+                log.warning("the learner at %s has too many actors joining; asking again every %gs",
                             address, welcome["seconds"])
                 last_wait_log = time.monotonic()
             if time.monotonic() + welcome["seconds"] >= deadline:

@@ -36,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from exgrpo_async.wire import decode_header
 
 HWM = 1000  # messages queued per peer before send blocks (bounded queue)
+MAX_REPLY_BYTES = 256 << 20  # an actor refuses bigger replies unread (a work reply is a few MB at most)
 SERVER_PUBLIC, SERVER_SECRET = "server.key", "server.key_secret"
 CLIENT_SECRET = "client.key_secret"
 AUTHORIZED = "authorized_clients"
@@ -140,6 +141,7 @@ class ActorSocket:
         self.sock.setsockopt(zmq.SNDHWM, HWM)
         self.sock.setsockopt(zmq.RCVHWM, HWM)
         self.sock.setsockopt(zmq.LINGER, 2000)  # let queued rollouts drain at exit, but never hang
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)  # a hostile learner cannot exhaust our memory
         self.sock.connect(address)
 
     def _check_refused(self) -> None:

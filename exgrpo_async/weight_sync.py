@@ -217,10 +217,17 @@ class WeightPublisher:
                 self._users[token] -= 1
 
     def open_group(self, key: str, world_size: int) -> None:
-        """Join a new actor's group as rank 0 (blocks until the actor's workers join)."""
+        """Join a new actor's group as rank 0 (blocks until the actor's workers join, or `timeout_s`).
+
+        Each group talks to the store over its own client connection: the master store object holds
+        one lock over its connection for the whole of a blocking wait, so a rendezvous through it that
+        never completes (an actor that asked for its group, then stalled) would hold up every other
+        actor's rendezvous until it timed out. `self` stays referenced by this frame while it waits, so
+        the master outlives a rendezvous still pending when the process exits."""
         self.close_group(key)
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
         self.groups[key] = make_group(self.host, self.port, f"ws/{key}/", 0, world_size, self.backend,
-                                      self.timeout_s, store=self.store)
+                                      self.timeout_s, store=store)
 
     def send(self, key: str, flat: list[torch.Tensor]) -> float:
         """Broadcast the given packed buckets to one actor's group; returns seconds spent. A broadcast

@@ -77,6 +77,8 @@ _COUNTERS = {
 # server counters (learner/server.py) -> counters, read at each step
 _SERVER_COUNTERS = {
     "hellos": ("exgrpo_learner_actors_joined", "Actors that said hello (rejoins included)."),
+    "joins_refused": ("exgrpo_learner_joins_refused",
+                      "Hellos answered wait: transport.max_pending_joins actors were part-way through joining."),
     "actors_lost": ("exgrpo_learner_actors_lost", "Actors presumed dead."),
     "work_reissued": ("exgrpo_learner_work_reissued", "Work items re-issued past transport.work_deadline_s."),
     "work_released": ("exgrpo_learner_work_released", "Work items taken back from actors that left or died."),

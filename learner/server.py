@@ -17,13 +17,26 @@ Joining takes two messages: hello (answered with the actor's id and the run's co
 the actor's engine is up, group with the engine's real worker count (its tensor-parallel size): only
 then is the actor's weight-sync group sized and opened, so every TP worker of the engine is in it.
 
-Malformed messages (bad msgpack, wrong schema version, wrong frame sizes, unknown types or work ids)
-are counted in `counters` and dropped with a warning; they never stop the server.
+Half-joined actors are bounded: at most `transport.max_pending_joins` actors may have said hello
+without their group having formed yet (an engine starting, a rendezvous under way, or a peer that
+stalled there, whose rendezvous thread lasts until `weight_sync.timeout_s` even after it is dropped);
+a hello beyond that is answered "wait" and counted (`joins_refused`), and the actor asks again. A sync
+thread is started only when the actor asks for its group, and each group's rendezvous talks to the
+store over its own connection, so a stalled peer costs only its own timeout, never another's join.
+
+Malformed messages (bad msgpack, wrong schema version, wrong frame sizes, unknown types, requests
+before hello, fields of the wrong type) are counted in `counters["bad_messages"]` and dropped, as are
+rollouts for work this actor does not hold (`unknown_work`); they never stop the server, and no error
+in handling one does either (counted as a bad message, reason "internal error"; logged, rate-limited
+like the rest, the first ones with their traceback).
+The log is rate-limited: the first few drops one line each, then one summary line per
+`DROP_LOG_EVERY_S` with the counts by reason.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import re
 import secrets
@@ -46,6 +59,60 @@ MAX_ENGINE_WORKERS = 64  # an engine's workers in one weight-sync group (tensor 
 MAX_SOURCE_CHARS = 200  # a work item's data_source (a row value or a file stem) is a bounded string
 # an actor's metrics endpoint as it reports it: host:port or [v6]:port, nothing else
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
+MESSAGE_TYPES = ("hello", "alive", "work", "rollouts", "group", "sync", "bye")  # what actors send
+DROP_LOG_FIRST = 10  # dropped messages logged one line each; after that, one summary line per period
+DROP_LOG_EVERY_S = 30.0
+JOIN_RETRY_S = 5.0  # a hello refused for too many pending joins is told to try again this much later
+
+
+class BadMessage(WireError):
+    """A message the server drops, with a short reason (the count by reason is what the log shows)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class DropLog:
+    """Rate-limited warnings about dropped messages: the first `first` get a line each, then at most one
+    summary line every `every_s` seconds with the counts by (counter, reason) since the last one. A peer
+    sending junk as fast as it can therefore costs a few log lines a minute, not a line per frame."""
+
+    def __init__(self, first: int = DROP_LOG_FIRST, every_s: float = DROP_LOG_EVERY_S):
+        self.first, self.every_s = first, every_s
+        self.total = 0
+        self.pending: Counter[str] = Counter()
+        self.last_detail = ""
+        self.next_summary = time.monotonic() + every_s
+
+    def note(self, counter: str, reason: str, detail: str, so_far: int, exc_info: bool = False) -> None:
+        """One more drop, counted in `counter` (now at `so_far`)."""
+        self.total += 1
+        detail = detail if len(detail) <= 200 else detail[:200] + "..."
+        if self.total <= self.first:
+            log.warning("dropped a message (%s, %s): %s; %d so far%s", counter, reason, detail, so_far,
+                        f" (after {self.first} such lines, one summary every {self.every_s:.0f}s)"
+                        if self.total == self.first else "", exc_info=exc_info)
+            return
+        self.pending[f"{counter}/{reason}"] += 1
+        self.last_detail = detail
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        """Log the summary if one is due (or `force`) and anything was dropped since the last one."""
+        now = time.monotonic()
+        if self.pending and (force or now >= self.next_summary):
+            by = ", ".join(f"{k} {n}" for k, n in self.pending.most_common())
+            log.warning("dropped %d more messages (%s); last: %s; %d dropped in all", sum(self.pending.values()),
+                        by, self.last_detail, self.total)
+            self.pending.clear()
+        if force or now >= self.next_summary:
+            self.next_summary = now + self.every_s
+
+
+def _seconds(x) -> bool:
+    """A finite, non-negative number of seconds (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def actor_idle_share(before: dict[str, tuple[float, float]], now: dict[str, tuple[float, float]]) -> float | None:
@@ -94,6 +161,10 @@ class LearnerServer:
         self._n_actors = 0
         self._thread = threading.Thread(target=self._serve, name="zmq-server", daemon=True)
         self._sync_threads: list[threading.Thread] = []
+        # group key -> actor part-way through joining: said hello, group not formed yet (its rendezvous
+        # may outlive the actor's membership); bounded by transport.max_pending_joins
+        self._joining: dict[str, ActorInfo] = {}
+        self.drops = DropLog()
         self.targets: TargetsFile | None = None  # Prometheus file SD: rewritten when membership changes
         self.on_sync = None  # callable(seconds) for each broadcast served (the Prometheus histogram)
 
@@ -120,17 +191,26 @@ class LearnerServer:
                     log.warning("re-issued %d work items held longer than %.0fs (actors: %s)", len(late),
                                 self.cfg.transport.work_deadline_s, sorted({w.actor_id for w in late}))
                 self._drop_silent_actors()
+                self.drops.flush()
                 next_check = time.monotonic() + 1.0
             got = self.sock.recv(100)
             if got is None:
                 continue
             peer, frames = got
+            reason = "header"
             try:
                 head = decode_header(frames[0].buffer)
+                reason = head["t"] if head["t"] in MESSAGE_TYPES else "unknown type"
                 self._handle(peer, head, frames)
             except WireError as e:
-                self.counters["bad_messages"] += 1
-                log.warning("dropped a malformed message (%s); %d so far", e, self.counters["bad_messages"])
+                self._drop("bad_messages", getattr(e, "reason", reason), str(e))
+            except Exception as e:  # a bug in handling one message must not stop the server
+                self._drop("bad_messages", "internal error", f"{type(e).__name__}: {e}", exc_info=True)
+
+    def _drop(self, counter: str, reason: str, detail: str, exc_info: bool = False) -> None:
+        """Count a dropped message and log it, rate-limited (`DropLog`)."""
+        self.counters[counter] += 1
+        self.drops.note(counter, reason, detail, self.counters[counter], exc_info=exc_info)
 
     def _handle(self, peer: bytes, head: dict, frames: list) -> None:
         kind = head["t"]
@@ -150,7 +230,9 @@ class LearnerServer:
                 self.counters["rejoin_requests"] += 1
                 self.sock.send(peer, encode_control("rejoin"))
                 return
-            raise WireError(f"{kind!r} from an actor that never said hello (or was presumed dead)")
+            if kind in MESSAGE_TYPES:
+                raise BadMessage("not joined", f"{kind!r} from an actor that never said hello (or was presumed dead)")
+            raise WireError(f"unknown message type {kind!r} from an actor that never said hello")
         elif kind == "work":
             self._work(peer, info, head)
         elif kind == "rollouts":
@@ -171,17 +253,26 @@ class LearnerServer:
             raise WireError(f"unknown message type {kind!r}")
 
     def _hello(self, peer: bytes, head: dict) -> None:
+        old = self.actors.get(peer)
+        if old is not None:  # the same socket says hello again: its first registration ends here
+            n = self._remove(peer)
+            log.info("%s said hello again on the same socket: dropped its registration (%d items re-issued)",
+                     old.actor_id, n)
+        limit = self.cfg.transport.max_pending_joins
+        if len(self._joining) >= limit:  # too many half-joined peers: ask this one to come back later
+            self._drop("joins_refused", "too many pending joins",
+                       f"hello refused: {len(self._joining)} actors are part-way through joining "
+                       f"(transport.max_pending_joins={limit})")
+            self.sock.send(peer, encode_control("wait", seconds=JOIN_RETRY_S))
+            return
         self._n_actors += 1
         # prefix of the group's store keys: 128 random bits, sent only in the group reply (encrypted with curve)
         info = ActorInfo(f"actor-{self._n_actors}", f"{self._n_actors}-{secrets.token_hex(16)}")
         self.actors[peer] = info
+        self._joining[info.group_key] = info
         self.counters["hellos"] += 1
-        thread = threading.Thread(target=self._sync_worker, args=(info,), name=f"weight-sync-{info.actor_id}",
-                                  daemon=True)
-        thread.start()
-        self._sync_threads = [t for t in self._sync_threads if t.is_alive()] + [thread]  # rejoins add threads
         self.sock.send(peer, encode_control("welcome", actor_id=info.actor_id, config=self.config_json))
-        log.info("%s joined from %s (pid %s)", info.actor_id, head.get("host"), head.get("pid"))
+        log.info("%s joined from %.100r (pid %.20r)", info.actor_id, head.get("host"), head.get("pid"))
 
     def _group(self, peer: bytes, info: ActorInfo, head: dict) -> None:
         """Size and open the actor's weight-sync group: rank 0 the learner, then its engine's `tp` workers."""
@@ -191,6 +282,10 @@ class LearnerServer:
         if info.world is not None:
             raise WireError(f"{info.actor_id} asked for its weight-sync group twice")
         info.world = 1 + tp
+        thread = threading.Thread(target=self._sync_worker, args=(info,), name=f"weight-sync-{info.actor_id}",
+                                  daemon=True)
+        thread.start()
+        self._sync_threads = [t for t in self._sync_threads if t.is_alive()] + [thread]  # rejoins add threads
         info.jobs.put(("open", info.group_key, info.world))
         self.sock.send(peer, encode_control(
             "group", host=self.publisher.host, port=self.publisher.port, prefix=f"ws/{info.group_key}/",
@@ -204,6 +299,8 @@ class LearnerServer:
         self._update_targets()
         n = self.dispatcher.release_actor(info.actor_id)
         self.counters["work_released"] += n
+        if info.world is None:  # it never asked for its group: no sync thread, no rendezvous
+            self._joining.pop(info.group_key, None)
         info.jobs.put(("close", info.group_key))
         info.jobs.put(None)
         return n
@@ -224,25 +321,27 @@ class LearnerServer:
 
     def _note_actor_stats(self, info: ActorInfo, head: dict) -> None:
         """Optional fields of a work request: seconds spent generating, in-flight update timings, the
-        actor's metrics endpoint."""
+        actor's metrics endpoint. All are checked before any is used: a bad request changes nothing."""
         address = head.get("metrics")
-        if address is not None and address != info.metrics_address:
-            if not isinstance(address, str) or not _ENDPOINT.fullmatch(address):
-                raise WireError(f"bad metrics endpoint {str(address)[:80]!r}")
-            info.metrics_address = address
-            self._update_targets()
+        if address is not None and (not isinstance(address, str) or not _ENDPOINT.fullmatch(address)):
+            raise WireError(f"bad metrics endpoint {str(address)[:80]!r}")
         busy = head.get("busy_s")
-        if busy is not None:
-            if not isinstance(busy, (int, float)) or isinstance(busy, bool) or busy < 0:
-                raise WireError(f"bad busy_s {busy!r}")
-            self.actor_busy[info.actor_id] = (float(busy), time.monotonic())
+        if busy is not None and not _seconds(busy):
+            raise WireError(f"bad busy_s {str(busy)[:80]!r}")
         updates = head.get("updates", [])
         if not isinstance(updates, list) or len(updates) > 64:
             raise WireError("bad updates field")
-        for u in updates:
-            if not isinstance(u, dict) or not all(isinstance(u.get(k), (int, float)) for k in ("pause", "stall", "total")):
-                raise WireError("bad update timing")
-            self.update_timings.append({k: float(u[k]) for k in ("pause", "stall", "total")})
+        if not all(isinstance(u, dict) and all(_seconds(u.get(k)) for k in ("pause", "stall", "total")) for u in updates):
+            raise WireError("bad update timing")
+        want = head.get("max_items", 1)
+        if not isinstance(want, int) or isinstance(want, bool) or want < 1:
+            raise WireError(f"bad max_items {str(want)[:80]!r}")
+        if address is not None and address != info.metrics_address:
+            info.metrics_address = address
+            self._update_targets()
+        if busy is not None:
+            self.actor_busy[info.actor_id] = (float(busy), time.monotonic())
+        self.update_timings.extend({k: float(u[k]) for k in ("pause", "stall", "total")} for u in updates)
 
     def _work(self, peer: bytes, info: ActorInfo, head: dict) -> None:
         self._note_actor_stats(info, head)
@@ -253,9 +352,7 @@ class LearnerServer:
         if info.version < latest:  # every batch is generated on the newest weights
             self.sock.send(peer, encode_control("resync", version=latest))
             return
-        want = head.get("max_items", self.cfg.rollout.questions_per_request)
-        if not isinstance(want, int) or isinstance(want, bool) or want < 1:
-            raise WireError(f"bad max_items {want!r}")
+        want = head.get("max_items", self.cfg.rollout.questions_per_request)  # checked above
         items = self.dispatcher.take(info.actor_id, info.version, min(want, self.cfg.rollout.questions_per_request))
         if not items:
             self.sock.send(peer, encode_control("wait", seconds=0.05))
@@ -275,23 +372,32 @@ class LearnerServer:
 
     def _rollouts(self, info: ActorInfo, head: dict, frames: list) -> None:
         group = decode_rollouts(head, frames)
+        # only the actor holding the work may complete it, and only with the question it was given: any
+        # other reply (late, replayed, forged, or a wrong question id) leaves the item where it is
+        held = self.dispatcher.outstanding.get(group.work_id)
+        if (held is None or held.actor_id != info.actor_id or held.question_id != group.question_id
+                or held.purpose != group.purpose):
+            self._drop("unknown_work", "rollouts", f"rollouts for work {group.work_id} (question {group.question_id}) "
+                       f"from {info.actor_id}, which does not hold it (unknown, finished, re-issued or another's)")
+            return
         item = self.dispatcher.complete(group.work_id)
-        if item is None or item.question_id != group.question_id or item.purpose != group.purpose:
-            self.counters["unknown_work"] += 1
-            log.warning("dropped rollouts for unknown or finished work %d from %s", group.work_id, info.actor_id)
+        if item is not held:  # re-issued by the training loop meanwhile
+            self._drop("unknown_work", "rollouts", f"rollouts for work {group.work_id}, re-issued meanwhile")
             return
         if len(group.completions) != item.n:
             self.counters["wrong_group_size"] += 1
             if item.purpose == "train":
                 self.dispatcher.reissue(item)  # an experience item keeps its replay
+            else:  # an eval item goes back on the eval queue: the evaluation waits for every question
+                self.dispatcher.add_eval([item.question_id], item.n, item.temperature, item.min_version)
             log.warning("work %d came back with %d of %d samples; re-issued", item.work_id, len(group.completions), item.n)
             return
         if item.replay is not None:
             r = group.extra.get("replay_reward")
             if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
-                self.counters["bad_messages"] += 1
                 self.dispatcher.reissue(item)
-                log.warning("experience work %d came back without a valid replay reward; re-issued", item.work_id)
+                self._drop("bad_messages", "rollouts", f"experience work {item.work_id} came back without a valid "
+                           "replay reward; re-issued")
                 return
         self.inbox.put((item, group))
 
@@ -306,7 +412,10 @@ class LearnerServer:
                 return
             try:
                 if job[0] == "open":
-                    self.publisher.open_group(job[1], job[2])
+                    try:
+                        self.publisher.open_group(job[1], job[2])
+                    finally:  # formed or failed: no longer part-way through joining
+                        self._joining.pop(info.group_key, None)
                 elif job[0] == "send":
                     try:
                         seconds = self.publisher.send(job[1], job[2])
@@ -337,6 +446,8 @@ class LearnerServer:
         self._thread.join(timeout=5)
         for peer in list(self.actors):  # never said bye: close their groups anyway
             self._remove(peer)
+        deadline = time.monotonic() + 5  # one wait for all: a rendezvous stuck on a stalled peer is not joined
         for t in self._sync_threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.drops.flush(force=True)
         self.sock.close()

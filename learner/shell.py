@@ -234,7 +234,8 @@ class Shell:
         self.trackers.log_step(row)
         if self.prom is not None:
             self.prom.observe_step(row, {k: self.server.counters[k] for k in ("hellos", "actors_lost", "work_reissued",
-                                                                            "work_released", "sync_failures")})
+                                                                            "work_released", "sync_failures",
+                                                                            "joins_refused")})
         self._t_progress = time.time()
         ex = self.experience
         if ex.mixed and ex.buffer.num_trajectories == 0:
@@ -273,6 +274,19 @@ class Shell:
     @staticmethod
     def _after(tokens: int, every: int) -> int | None:
         return (tokens // every + 1) * every if every else None
+
+    def budget_spent(self, step: int) -> bool:
+        """Whether a token or time budget (`max_generated_tokens`, `max_seconds`) ends the run at `step`."""
+        L = self.cfg.learner
+        if L.max_generated_tokens is not None and self.totals["tokens"] >= L.max_generated_tokens:
+            log.info("step %d: %d fresh tokens generated, budget %d reached", step, self.totals["tokens"],
+                     L.max_generated_tokens)
+            return True
+        if L.max_seconds is not None and time.time() - self.t_start >= L.max_seconds:
+            log.info("step %d: %.0f s of training, budget %.0f s reached", step, time.time() - self.t_start,
+                     L.max_seconds)
+            return True
+        return False
 
     def evaluation_due(self, step: int) -> bool:
         L = self.cfg.learner
@@ -352,6 +366,7 @@ class Shell:
             "actors_lost": s.counters["actors_lost"], "work_reissued": s.counters["work_reissued"],
             "work_released": s.counters["work_released"], "rejoin_requests": s.counters["rejoin_requests"],
             "unknown_work": s.counters["unknown_work"], "actors_joined": s.joined,
+            "joins_refused": s.counters["joins_refused"],
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
             **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),

@@ -67,9 +67,7 @@ def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> di
                 sh.evaluate_during(step)
             if L.checkpoint_every and step % L.checkpoint_every == 0 and step < L.max_steps:
                 sh.checkpoint(step)
-            if L.max_generated_tokens is not None and sh.totals["tokens"] >= L.max_generated_tokens:
-                log.info("step %d: %d fresh tokens generated, budget %d reached", step, sh.totals["tokens"],
-                         L.max_generated_tokens)
+            if sh.budget_spent(step):
                 break
         bar.close()
         if step >= sh.start_step:  # the final state, for `--resume` with a larger max_steps

@@ -1,0 +1,193 @@
+"""Soak: one training run for `--minutes`, with actors killed, frozen, added and removed on a schedule.
+
+A real `exgrpo-async train` (the toy task, `learner.max_seconds` = the soak's length, held-out
+evaluation off, restarts enough for the schedule) runs while this script, every `--every` seconds,
+does the next event of the cycle
+- kill: SIGKILL one of the launcher's actors (the launcher restarts it; the learner re-issues its work),
+- freeze: SIGSTOP one for `--freeze` seconds, then SIGCONT (its heartbeat stops; it is presumed dead
+  after `transport.actor_timeout_s` and rejoins when it wakes),
+- add: start one more actor (`exgrpo-async actor --learner ADDR`) that joins the running learner,
+- remove: SIGTERM the added actor (it says bye; its work is released),
+and every `--sample` seconds records the resident memory (RSS) of the learner and of each actor (an
+actor with its in-process vLLM engine) and the steps done. At the end it reports steps/min, the
+learner's RSS slope after warm-up (least squares over the samples after the first `--warmup`
+minutes; target under 1 MB/min), the actors' RSS range, the events done, and from summary.json the
+question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
+
+    .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
+    .venv/bin/python ops/bench/soak.py --minutes 3 --every 30 --warmup 1     # the CI version (tests/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+CYCLE = ("kill", "freeze", "add", "remove")
+
+
+def roles(launcher: psutil.Process) -> tuple[psutil.Process | None, list[psutil.Process]]:
+    """(the learner, the launcher's actors) among the launcher's children."""
+    learner, actors = None, []
+    for child in launcher.children():
+        try:
+            cmd = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "learner" in cmd:
+            learner = child
+        elif "actor" in cmd:
+            actors.append(child)
+    return learner, actors
+
+
+def rss_mb(p: psutil.Process) -> float | None:
+    """Resident MB, None for a process gone or a zombie (killed, not yet reaped: RSS 0)."""
+    try:
+        rss = p.memory_info().rss
+    except psutil.NoSuchProcess:
+        return None
+    return rss / 2**20 if rss else None
+
+
+def slope_mb_per_min(samples: list[dict], warmup_s: float) -> float | None:
+    pts = [(s["t"], s["learner_mb"]) for s in samples if s["t"] >= warmup_s and s["learner_mb"] is not None]
+    if len(pts) < 3:
+        return None
+    t, mb = np.array(pts).T
+    return float(np.polyfit(t / 60.0, mb, 1)[0])
+
+
+class Schedule:
+    """The event cycle; an event that cannot happen now (no actor to kill, none added) is skipped."""
+
+    def __init__(self, address: str, freeze_s: float, log_dir: Path):
+        self.address, self.freeze_s, self.log_dir = address, freeze_s, log_dir
+        self.added: subprocess.Popen | None = None
+        self.frozen: tuple[psutil.Process, float] | None = None
+        self.done: list[dict] = []
+        self.n = 0
+
+    def thaw(self, now: float) -> None:
+        if self.frozen and now >= self.frozen[1]:
+            try:
+                self.frozen[0].send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+            self.frozen = None
+
+    def next(self, t: float, actors: list[psutil.Process]) -> None:
+        kind = CYCLE[self.n % len(CYCLE)]
+        self.n += 1
+        target = actors[self.n % len(actors)] if actors else None
+        if kind == "kill" and target is not None:
+            target.send_signal(signal.SIGKILL)
+        elif kind == "freeze" and target is not None and self.frozen is None:
+            target.send_signal(signal.SIGSTOP)
+            self.frozen = (target, time.time() + self.freeze_s)
+        elif kind == "add" and self.added is None:
+            log = open(self.log_dir / f"added-actor-{self.n}.log", "w")
+            self.added = subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", "actor", "--learner",
+                                           self.address], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        elif kind == "remove" and self.added is not None:
+            self.added.terminate()
+            self.added.wait(timeout=120)
+            self.added = None
+        else:
+            return
+        self.done.append({"t": round(t, 1), "event": kind})
+
+    def close(self) -> None:
+        self.thaw(float("inf"))
+        if self.added is not None:
+            self.added.terminate()
+            self.added.wait(timeout=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--every", type=float, default=60.0, help="seconds between events")
+    ap.add_argument("--freeze", type=float, default=15.0, help="seconds an actor stays frozen")
+    ap.add_argument("--sample", type=float, default=5.0, help="seconds between memory samples")
+    ap.add_argument("--warmup", type=float, default=5.0, help="minutes left out of the RSS slope")
+    ap.add_argument("--out", default="bench_out/soak")
+    a, extra = ap.parse_known_args()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    restarts = int(a.minutes * 60 / a.every) + 3
+    cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", f"output_dir={out / 'runs'}", "learner.max_steps=1000000",
+           f"learner.max_seconds={a.minutes * 60}", "data.eval_file=none", f"actor.max_restarts={restarts}",
+           "transport.actor_timeout_s=10", "learner.checkpoint_every=0", *extra]
+    with open(out / "train.log", "w") as log:
+        train = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        launcher = psutil.Process(train.pid)
+        t0, samples, schedule = time.time(), [], None
+        try:
+            while train.poll() is None:
+                time.sleep(a.sample)
+                run = next(iter(sorted((out / "runs").glob("run-*"))), None)
+                if schedule is None and run is not None and (run / "learner.json").exists() and \
+                        (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size:
+                    address = json.loads((run / "learner.json").read_text())["address"]
+                    schedule, t0 = Schedule(address, a.freeze, out), time.time()  # the clock starts at step 1
+                if schedule is None:
+                    continue
+                t = time.time() - t0
+                learner, actors = roles(launcher)
+                schedule.thaw(time.time())
+                if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
+                    schedule.next(t, actors)
+                steps = (run / "metrics.jsonl").read_text().count("\n")
+                procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])
+                samples.append({"t": round(t, 1), "steps": steps, "learner_mb": rss_mb(learner) if learner else None,
+                                "actors_mb": [m for m in map(rss_mb, procs) if m is not None]})
+        finally:
+            if schedule is not None:
+                schedule.close()
+            if train.poll() is None:
+                train.terminate()
+            train.wait(timeout=600)
+    report(a, out, train.returncode, samples, schedule.done if schedule else [])
+
+
+def report(a, out: Path, returncode: int, samples: list[dict], events: list[dict]) -> None:
+    (run,) = sorted((out / "runs").glob("run-*"))
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    log_text = (out / "train.log").read_text()
+    actor_mb = [m for s in samples for m in s["actors_mb"]]
+    res = {
+        "minutes": a.minutes, "returncode": returncode, "steps": len(rows),
+        "steps_per_min": len(rows) / max(1e-9, summary.get("rl_seconds", a.minutes * 60) / 60),
+        "learner_rss_slope_mb_per_min": slope_mb_per_min(samples, a.warmup * 60),
+        "learner_rss_mb_first_last": [next((s["learner_mb"] for s in samples if s["learner_mb"]), None),
+                                      next((s["learner_mb"] for s in reversed(samples) if s["learner_mb"]), None)],
+        "actor_rss_mb_min_max": [min(actor_mb, default=None), max(actor_mb, default=None)],
+        "events": {k: sum(e["event"] == k for e in events) for k in CYCLE},
+        "restarts": log_text.count("restarting it"),
+        **{k: summary.get(k) for k in ("questions_unaccounted", "questions_dispatched", "questions_trained",
+                                       "stale_dropped", "actors_lost", "actors_joined", "work_reissued",
+                                       "work_released", "bad_messages", "skipped_steps")},
+        "samples": samples, "event_log": events,
+    }
+    (out / "soak.json").write_text(json.dumps(res, indent=2))
+    print(f"| soak {a.minutes:g} min | value |\n|---|---|")
+    for k, v in res.items():
+        if k not in ("samples", "event_log"):
+            print(f"| {k} | {v if not isinstance(v, float) else round(v, 3)} |")
+    print(f"wrote {out / 'soak.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Joins never queue behind each other, and half-joined peers are bounded.
+
+An actor joins in two steps (hello, then group once its engine is up), and the learner then meets the
+actor's workers in a torch.distributed rendezvous. A peer that stops part-way (says hello and asks for
+its group, then never joins it, as a vLLM engine that hangs or takes minutes on a GPU does) may cost
+only its own `weight_sync.timeout_s`: other actors' rendezvous and broadcasts go on at once. And the
+learner holds at most `transport.max_pending_joins` half-joined peers (their threads and pending
+groups); a hello beyond that is answered "wait", counted (`joins_refused`), and the actor asks again.
+
+The first two tests run the learner's server in-process over real sockets and a real gloo store; the
+last runs `exgrpo-async train` with real vLLM actors and a stalled peer that joined before them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from actors.loop import join, request, weight_group
+from exgrpo_async.config import RunConfig
+from exgrpo_async.weight_sync import WeightPublisher, WeightReceiver
+from exgrpo_async.wire import decode_header, encode_control
+from learner.dispatch import Dispatcher
+from learner.server import JOIN_RETRY_S, LearnerServer
+from tests.integration.helpers import cli
+
+
+def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256) -> LearnerServer:
+    cfg = RunConfig.model_validate({"weight_sync": {"timeout_s": timeout_s},
+                                    "transport": {"max_pending_joins": max_pending, "max_message_mb": max_message_mb}})
+    publisher = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), 1, timeout_s)
+    publisher.publish(0, [("w", torch.arange(1000, dtype=torch.float32))])
+    dispatcher = Dispatcher(lambda: 0, 1, 2, 1.0, max_staleness=0)
+    return LearnerServer(cfg, dispatcher, publisher, "gloo", {"train": ["1+1="], "eval": []},
+                         {"train": [], "eval": []}, cfg.model_dump_json())
+
+
+class Peer:
+    """A hand-driven actor socket: says exactly what the test tells it to."""
+
+    def __init__(self, address: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def ask(self, kind: str, **fields) -> dict:
+        self.sock.send_multipart(encode_control(kind, **fields))
+        assert self.sock.poll(5000), f"no answer to {kind}"
+        return decode_header(self.sock.recv_multipart()[0])
+
+    def tell(self, kind: str, **fields) -> None:
+        self.sock.send_multipart(encode_control(kind, **fields))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _sync_threads(server: LearnerServer) -> int:
+    return sum(1 for t in server._sync_threads if t.is_alive())
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_stalled_rendezvous_delays_no_other_actors_join_or_sync():
+    """A peer asks for its group and never joins it (the learner's side waits up to 60 s); three actors
+    then join, each with its worker in its own thread: every group forms and every actor gets the weights
+    within seconds, long before the stalled rendezvous times out."""
+    server = _server(timeout_s=60)
+    server.start()
+    stuck = Peer(server.address)
+    try:
+        assert stuck.ask("hello", host="stuck", pid=1)["t"] == "welcome"
+        assert stuck.ask("group", tp=1)["t"] == "group"  # ... and its worker never shows up
+        time.sleep(0.5)  # the learner's side of its rendezvous is now waiting
+
+        def actor(i: int, out: dict) -> None:
+            t0 = time.monotonic()
+            sock, _ = join(server.address, None, 10, 5)
+            ws = weight_group(sock, 1, 5)
+            rx = WeightReceiver(ws["host"], ws["port"], ws["prefix"], 1, ws["world_size"], ws["backend"],
+                                torch.device("cpu"), ws["timeout_s"])
+            out["formed"] = time.monotonic() - t0
+            assert request(sock, encode_control("work", version=-1), 5)["t"] == "resync"
+            sync = request(sock, encode_control("sync", version=-1), 5)
+            got = [t.clone() for bucket in rx.receive(sync["meta"]) for _, t in bucket]
+            out["synced"] = time.monotonic() - t0
+            out["ok"] = torch.equal(got[0], torch.arange(1000, dtype=torch.float32))
+            sock.send(encode_control("bye"))
+            sock.close()
+            rx.close()
+
+        results = [{} for _ in range(3)]
+        threads = [threading.Thread(target=actor, args=(i, results[i]), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(r.get("ok") for r in results), results
+        assert max(r["synced"] for r in results) < 10, results  # not the stalled peer's 60 s
+        assert server.counters["sync_failures"] == 0 and server.counters["joins_refused"] == 0
+    finally:
+        stuck.close()
+        server.stop(wait_for_actors_s=0)
+
+
+def test_half_joined_peers_are_bounded_and_a_refused_actor_asks_again():
+    """max_pending_joins=3: two peers stall in their rendezvous and one only said hello; a fourth hello
+    is answered "wait" and counted. A peer that leaves while its rendezvous is pending still holds its
+    slot (its thread waits out weight_sync.timeout_s); one that never asked for a group frees its slot
+    at once. An actor refused by `join` keeps asking and gets in when a slot frees; a stalled rendezvous
+    frees its slot when it times out. The same socket saying hello twice is one registration, not two."""
+    server = _server(timeout_s=8, max_pending=3)
+    server.start()
+    peers = [Peer(server.address) for _ in range(5)]
+    p1, p2, p3, p4, p5 = peers
+    try:
+        for p in (p1, p2, p3):
+            assert p.ask("hello", host="h", pid=1)["t"] == "welcome"
+        for p in (p1, p2):
+            assert p.ask("group", tp=1)["t"] == "group"
+        assert p3.ask("hello", host="h", pid=1)["t"] == "welcome"  # again: replaces its first registration
+        assert server.connected == 3 and server.counters["hellos"] == 4
+        refused = p4.ask("hello", host="h", pid=1)
+        assert refused == {"v": 1, "t": "wait", "seconds": JOIN_RETRY_S}
+        assert server.counters["joins_refused"] == 1 and server.connected == 3
+        assert _sync_threads(server) == 2  # only the peers that asked for a group have a sync thread
+        p3.tell("bye")  # it never asked for a group: its slot frees at once
+        _wait_for(lambda: server.connected == 2)
+        assert p4.ask("hello", host="h", pid=1)["t"] == "welcome"
+        p1.tell("bye")  # gone, but its rendezvous still waits: its slot stays taken
+        _wait_for(lambda: server.connected == 2)
+        assert p5.ask("hello", host="h", pid=1)["t"] == "wait" and server.counters["joins_refused"] == 2
+        assert _sync_threads(server) == 2
+        # a real actor's join waits through the refusals and gets in once p4 (hello only) leaves
+        got = {}
+        joiner = threading.Thread(target=lambda: got.update(zip(("sock", "welcome"), join(server.address, None, 30, 5))),
+                                  daemon=True)
+        joiner.start()
+        _wait_for(lambda: server.counters["joins_refused"] == 3)
+        p4.tell("bye")
+        joiner.join(JOIN_RETRY_S + 5)
+        assert got.get("welcome", {}).get("t") == "welcome"
+        got["sock"].send(encode_control("bye"))
+        got["sock"].close()
+        # the stalled rendezvous time out after 8 s: their slots and threads are free again
+        _wait_for(lambda: _sync_threads(server) == 0, timeout=15)
+        assert server.counters["sync_failures"] == 2
+        assert p5.ask("hello", host="h", pid=1)["t"] == "welcome"
+        assert len(server._joining) <= 3
+    finally:
+        for p in peers:
+            p.close()
+        server.stop(wait_for_actors_s=0)
+
+
+@pytest.mark.slow
+def test_actors_join_and_train_while_a_stalled_peer_waits_out_its_rendezvous(small, tmp_path):
+    """`train` with two vLLM actors and weight_sync.timeout_s=900; a test peer says hello and asks for
+    its group as soon as the learner is up (before the actors' engines are), then goes silent. The
+    actors' rendezvous come after the stalled one and must not wait for it: the run finishes, every step
+    once, the books balanced, in a fraction of the 900 s the stalled rendezvous holds its thread."""
+    out, steps, timeout_s = tmp_path / "runs", 4, 900
+    log_path = tmp_path / "train.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cli(["train", *small, f"learner.max_steps={steps}", "actor.num_actors=2",
+                                 f"weight_sync.timeout_s={timeout_s}", "data.eval_file=none", "metrics.port=none",
+                                 "transport.actor_timeout_s=10", "transport.heartbeat_s=0.5", f"output_dir={out}"]),
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    stuck = None
+    try:
+        deadline = time.monotonic() + 300
+        while not list(out.glob("run-*/learner.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        run_dir = next(out.glob("run-*"))
+        stuck = Peer(json.loads((run_dir / "learner.json").read_text())["address"])
+        stuck_id = stuck.ask("hello", host="stuck", pid=1)["actor_id"]
+        assert stuck.ask("group", tp=1)["t"] == "group"  # then silence: presumed dead, rendezvous pending
+        proc.wait(timeout=timeout_s / 2)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stuck is not None:
+            stuck.close()
+    text = log_path.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    groups = re.findall(r"(actor-\d+): weight-sync group of", text)
+    assert groups[0] == stuck_id and len(groups) >= 3, groups  # the stalled rendezvous came first
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["questions_unaccounted"] == 0 and summary["actors_lost"] == 1, summary
+    assert elapsed < timeout_s / 3, elapsed

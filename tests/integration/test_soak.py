@@ -1,0 +1,35 @@
+"""The soak bench's CI version: 3 minutes of training with an actor killed, one frozen, one added and
+removed (ops/bench/soak.py). The 60-minute figures are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_three_minutes_with_churn_keep_the_books(small, tmp_path):
+    out = tmp_path / "soak"
+    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "3", "--every", "30", "--warmup", "1",
+                           "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "soak.json").read_text())
+    assert res["returncode"] == 0
+    assert all(res["events"][k] >= 1 for k in ("kill", "freeze", "add", "remove")), res["events"]
+    assert res["restarts"] == res["events"]["kill"]  # the launcher restarted each killed actor
+    # a frozen actor presumed dead sends its late rollouts when it wakes: dropped and counted as bad
+    # messages (not joined), at most one request's groups per freeze (4 questions per request here)
+    assert res["questions_unaccounted"] == 0 and res["bad_messages"] <= 4 * res["events"]["freeze"]
+    assert res["actors_joined"] >= 2 + res["events"]["kill"] + res["events"]["add"]
+    last_event = max(e["t"] for e in res["event_log"])
+    after = [s["steps"] for s in res["samples"] if s["t"] > last_event]
+    assert after and after[-1] > after[0], "training stopped after the last event"
+    assert res["learner_rss_mb_first_last"][0] and res["actor_rss_mb_min_max"][0] > 100  # vLLM actors measured
