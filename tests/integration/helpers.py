@@ -17,3 +17,34 @@ def children_of(pid: int) -> set[int]:
         for k in map(int, kids):
             out |= {k} | children_of(k)
     return out
+
+
+def log_excerpt(path: Path, tail: int = 3000) -> str:
+    """A failed run's log for an assertion message: the first traceback of every process (a follower
+    rank's error comes long before the lead's tail), then the log's last `tail` characters."""
+    lines = path.read_text(errors="replace").splitlines()
+    firsts, seen = [], set()
+    for i, line in enumerate(lines):
+        who = line.split("]", 1)[0] if line.startswith("[rank") else line.split(" ", 1)[0]
+        if "Traceback (most recent call last)" in line and who not in seen:
+            seen.add(who)
+            firsts.append("\n".join(lines[i:i + 60]))
+    head = "".join(f"\n--- a first traceback ---\n{t}" for t in firsts)
+    return head + "\n--- log tail ---\n" + "\n".join(lines)[-tail:]
+
+
+def kill_tree(proc) -> None:
+    """Kill a still-running process and all its descendants (a failed test must leave no run behind);
+    stopped ones are continued first, so they can die."""
+    import os
+    import signal
+
+    if proc.poll() is not None:
+        return
+    for pid in [*children_of(proc.pid), proc.pid]:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+    proc.wait(timeout=60)

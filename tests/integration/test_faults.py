@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from exgrpo_async.wire import encode_control
-from tests.integration.helpers import children_of, cli
+from tests.integration.helpers import children_of, cli, kill_tree, log_excerpt
 
 pytestmark = pytest.mark.slow  # real `train` runs with faults: 2-5 min each
 
@@ -143,11 +143,11 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
         first_children = children_of(first)
         os.kill(first, signal.SIGKILL)  # mid-step: it holds work
         proc.wait(timeout=400)
-        assert proc.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
+        assert proc.returncode == 0, log_excerpt(tmp_path / "train.log")
     finally:
         for p in (proc, extra):
-            if p is not None and p.poll() is None:
-                p.kill()
+            if p is not None:
+                kill_tree(p)
     summary = check_books(run_dir, steps)
     # joined: the launcher's actor, the elastic one, and the launcher's replacement for the killed one
     assert summary["actors_joined"] == 3 and summary["actors_lost"] == 1
@@ -176,11 +176,9 @@ def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
         wait_for(lambda: "presumed dead" in (tmp_path / "train.log").read_text(), 60, "the learner to give up on it", proc)
         os.kill(frozen, signal.SIGCONT)
         proc.wait(timeout=400)
-        assert proc.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
+        assert proc.returncode == 0, log_excerpt(tmp_path / "train.log")
     finally:
-        if proc.poll() is None:
-            os.kill(frozen, signal.SIGCONT)
-            proc.kill()
+        kill_tree(proc)
     summary = check_books(run_dir, steps)
     assert summary["actors_lost"] >= 1
     assert summary["actors_joined"] >= 3  # two at the start, the frozen one again after SIGCONT
@@ -214,13 +212,12 @@ def test_learner_killed_and_resumed_while_actors_rejoin(small, tmp_path):
         time.sleep(2)
         learner = subprocess.Popen(cli(["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                                         "--resume"]), stdout=log, stderr=subprocess.STDOUT)
-        assert learner.wait(timeout=400) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        assert learner.wait(timeout=400) == 0, log_excerpt(tmp_path / "run.log")
         for a in actors:
-            assert a.wait(timeout=60) == 0, (tmp_path / "run.log").read_text()[-3000:]
+            assert a.wait(timeout=60) == 0, log_excerpt(tmp_path / "run.log")
     finally:
         for p in [learner, *actors]:
-            if p.poll() is None:
-                p.kill()
+            kill_tree(p)
     text = (tmp_path / "run.log").read_text()
     assert "resumed from" in text and "rejoining" in text
     assert killed_at >= 4

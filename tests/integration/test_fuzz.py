@@ -26,7 +26,7 @@ import zmq
 
 from exgrpo_async.wire import decode_header, encode_control
 from tests.integration.fuzz_frames import IDENTITIES, OVERSIZED, Model, Tally, generate
-from tests.integration.helpers import cli
+from tests.integration.helpers import cli, log_excerpt
 
 SEED = int(os.environ.get("EXGRPO_FUZZ_SEED", "20240519"))
 N = 10_000
@@ -188,7 +188,7 @@ def test_fuzzing_a_training_run(small, tmp_path):
     try:
         deadline = time.monotonic() + 400
         while not list(out.glob("run-*/metrics.jsonl")) or not (next(out.glob("run-*")) / "metrics.jsonl").stat().st_size:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
             time.sleep(0.3)
         run_dir = next(out.glob("run-*"))
         address = json.loads((run_dir / "learner.json").read_text())["address"]
@@ -199,7 +199,7 @@ def test_fuzzing_a_training_run(small, tmp_path):
             first = seen[0] if seen else len(rows())
             step_deadline = time.monotonic() + 120
             while len(rows()) < first + k // 1000:
-                assert proc.poll() is None and time.monotonic() < step_deadline, log_path.read_text()[-3000:]
+                assert proc.poll() is None and time.monotonic() < step_deadline, log_excerpt(log_path)
                 time.sleep(0.01)
             seen.append(len(rows()))
             return 0.5 * rows()[-1]["step_seconds"] / 50
@@ -214,7 +214,7 @@ def test_fuzzing_a_training_run(small, tmp_path):
         if proc.poll() is None:
             proc.kill()
     text = log_path.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    assert proc.returncode == 0, log_excerpt(log_path)
     assert [r["step"] for r in rows()] == list(range(1, steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["questions_unaccounted"] == 0 and summary["questions_trained"] == steps * 8, summary

@@ -29,7 +29,7 @@ from exgrpo_async.weight_sync import WeightPublisher, WeightReceiver
 from exgrpo_async.wire import decode_header, encode_control
 from learner.dispatch import Dispatcher
 from learner.server import JOIN_RETRY_S, LearnerServer
-from tests.integration.helpers import cli
+from tests.integration.helpers import cli, log_excerpt
 
 
 def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256) -> LearnerServer:
@@ -182,7 +182,7 @@ def test_actors_join_and_train_while_a_stalled_peer_waits_out_its_rendezvous(sma
     try:
         deadline = time.monotonic() + 300
         while not list(out.glob("run-*/learner.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
             time.sleep(0.1)
         run_dir = next(out.glob("run-*"))
         stuck = Peer(json.loads((run_dir / "learner.json").read_text())["address"])
@@ -196,7 +196,7 @@ def test_actors_join_and_train_while_a_stalled_peer_waits_out_its_rendezvous(sma
         if stuck is not None:
             stuck.close()
     text = log_path.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    assert proc.returncode == 0, log_excerpt(log_path)
     groups = re.findall(r"(actor-\d+): weight-sync group of", text)
     assert groups[0] == stuck_id and len(groups) >= 3, groups  # the stalled rendezvous came first
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
