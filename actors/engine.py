@@ -9,8 +9,9 @@ Two engines, one per actor loop (`actor.engine.kind`):
     generate(prompts, n, temperature, max_tokens) -> list[(prompt_ids, [Sample...])]
     tp: int                                      (its workers: the actor's share of its weight-sync group)
     init_weight_sync(host, port, prefix, world_size, backend, timeout_s)
-    load_weights(meta, version) -> seconds      (receives a broadcast, then drops stale KV)
+    load_weights(meta, version, fingerprint) -> seconds  (receives a broadcast, then drops stale KV)
     policy_version: int                          (version of the weights now loaded)
+    fingerprint: dict | None                     (of the weights loaded last; exgrpo_async/fingerprint.py)
     close()
 - `AsyncVLLMEngine` ("stream"): vLLM's `AsyncLLM`; groups stream in and out one at a time and the
   weights change in flight (cpu-vllm.md section 6): prefetch the broadcast while generating, pause
@@ -119,6 +120,7 @@ class VLLMEngine:
         self.tp = engine_workers(self.llm.llm_engine.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
+        self.fingerprint: dict[str, int] | None = None  # of the last load, when the learner asked for one
         self.policy_version = 0
 
     def generate(self, prompts: list[str], n: int, temperature: float, max_tokens: int,
@@ -133,9 +135,12 @@ class VLLMEngine:
         self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s,
                                                  self.cpu_weight_reload))
 
-    def load_weights(self, meta: list, version: int) -> float:
+    def load_weights(self, meta: list, version: int, fingerprint: bool = False, corrupt: bool = False) -> float:
+        """Receive and load `version`; with `fingerprint`, `self.fingerprint` is then that of the weights
+        the engine computes with (`corrupt`: the fault drill changes one first)."""
         t0 = time.perf_counter()
-        self.reload_mode = self.llm.collective_rpc("ws_recv", args=(meta,))[0]["reload"]
+        done = self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt))[0]
+        self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.policy_version = version
         return time.perf_counter() - t0
@@ -172,6 +177,7 @@ class AsyncVLLMEngine:
         self.tp = engine_workers(self.llm.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
+        self.fingerprint: dict[str, int] | None = None  # of the last load, when the learner asked for one
         self.policy_version = 0
         self._ids = 0
 
@@ -195,15 +201,18 @@ class AsyncVLLMEngine:
         await self.llm.collective_rpc("ws_init", args=(host, port, prefix, world_size, backend, timeout_s,
                                                        self.cpu_weight_reload))
 
-    async def load_weights(self, meta: list, version: int) -> float:
-        """Initial load with nothing in flight: receive and load in one go."""
+    async def load_weights(self, meta: list, version: int, fingerprint: bool = False, corrupt: bool = False) -> float:
+        """Initial load with nothing in flight: receive and load in one go (`fingerprint`, `corrupt`: as
+        VLLMEngine.load_weights)."""
         t0 = time.perf_counter()
-        self.reload_mode = (await self.llm.collective_rpc("ws_recv", args=(meta,)))[0]["reload"]
+        done = (await self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt)))[0]
+        self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
         await self.llm.reset_prefix_cache()
         self.policy_version = version
         return time.perf_counter() - t0
 
-    async def update_in_flight(self, meta: list, version: int, mode: str) -> dict[str, float]:
+    async def update_in_flight(self, meta: list, version: int, mode: str, fingerprint: bool = False,
+                               corrupt: bool = False) -> dict[str, float]:
         """Receive in the background while generating; once all bytes are in, pause (`wait` or `abort`),
         load, resume.
 
@@ -223,8 +232,8 @@ class AsyncVLLMEngine:
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
         t_paused = time.perf_counter()
         try:
-            done = (await self.llm.collective_rpc("ws_commit"))[0]
-            self.reload_mode = done["reload"]
+            done = (await self.llm.collective_rpc("ws_commit", args=(fingerprint, corrupt)))[0]
+            self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
             self.policy_version = version
         finally:
             await self.llm.resume_generation()

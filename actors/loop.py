@@ -311,11 +311,23 @@ def make_verifier(cfg: RunConfig) -> MathVerifier:
     return MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb, v.function)
 
 
-def work_request(version: int, busy_s: float, metrics: ActorMetrics | None, **extra) -> list:
-    """A work request; it carries the actor's metrics endpoint so the learner can list it for Prometheus."""
+def work_request(version: int, busy_s: float, metrics: ActorMetrics | None, engine=None, **extra) -> list:
+    """A work request; it carries the actor's metrics endpoint so the learner can list it for Prometheus,
+    and, once after each load the learner asked to fingerprint, the `engine`'s fingerprint of `version`."""
     if metrics is not None:
         extra["metrics"] = metrics.address
+    if engine is not None and engine.fingerprint is not None:
+        extra["fingerprint"], engine.fingerprint = engine.fingerprint, None
     return encode_control("work", version=version, busy_s=busy_s, **extra)
+
+
+def load_options(sync: dict, cfg: RunConfig, stats: dict, actor_id: str) -> dict[str, bool]:
+    """How to load a sync's weights: fingerprint them if the learner asks; corrupt them if this is a
+    load `actor.fault_corrupt_load_at_syncs` names (the fault drill; loads counted from 1 per process)."""
+    corrupt = stats["syncs"] + 1 in cfg.actor.fault_corrupt_load_at_syncs
+    if corrupt:
+        log.warning("%s: fault drill: corrupting the load of version %s", actor_id, sync["version"])
+    return {"fingerprint": sync.get("fingerprint") is True, "corrupt": corrupt}
 
 
 def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifier: MathVerifier, stats: dict,
@@ -329,7 +341,7 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
     tokenizer = engine.llm.get_tokenizer()
     timeout = cfg.transport.request_timeout_s
     while True:
-        reply = request(sock, work_request(engine.policy_version, stats["gen_seconds"], metrics), timeout)
+        reply = request(sock, work_request(engine.policy_version, stats["gen_seconds"], metrics, engine), timeout)
         kind = reply["t"]
         if kind == "stop":
             log.info("%s: done (%s)", actor_id, stats)
@@ -341,7 +353,7 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
             sync = request(sock, encode_control("sync", version=engine.policy_version), timeout)
             if sync["t"] != "sync":
                 raise ProtocolError(f"the learner answered a sync request with {sync['t']!r}")
-            seconds = engine.load_weights(sync["meta"], int(sync["version"]))
+            seconds = engine.load_weights(sync["meta"], int(sync["version"]), **load_options(sync, cfg, stats, actor_id))
             stats["sync_seconds"] += seconds
             stats["syncs"] += 1
             if metrics is not None:

@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import (Heartbeat, LearnerLost, engine_seed, join, make_verifier, request, score_groups, weight_group,
-                          work_request)
+from actors.loop import (Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request, score_groups,
+                         weight_group, work_request)
 from actors.metrics import ActorMetrics
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
@@ -100,6 +100,7 @@ class StreamActor:
     async def session(self, sock: ActorSocket, welcome: dict) -> None:
         """Serve one learner until it says stop (returns) or goes silent (LearnerLost)."""
         actor_id, e = welcome["actor_id"], self.cfg.actor.engine
+        self.actor_id = actor_id
         ws = await self._io(weight_group, sock, self.engine.tp, self.cfg.transport.request_timeout_s)
         await self.engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"],
                                            ws["timeout_s"])
@@ -124,7 +125,7 @@ class StreamActor:
                 if self.metrics is not None:
                     self.metrics.inflight.set(len(running) + finished.qsize())
                 msg = work_request(self.engine.policy_version, self._busy_seconds(running), self.metrics,
-                                   max_items=min(free, qpr), updates=self.updates[:16])
+                                   self.engine, max_items=min(free, qpr), updates=self.updates[:16])
                 self.updates = self.updates[16:]
                 reply = await self._io(request, sock, msg, timeout)
                 kind = reply["t"]
@@ -173,13 +174,14 @@ class StreamActor:
     async def update(self, sock: ActorSocket, timeout: float, mode: str) -> None:
         sync = await self._io(request, sock, encode_control("sync", version=self.engine.policy_version), timeout)
         version = int(sync["version"])
+        opts = load_options(sync, self.cfg, self.stats, self.actor_id)
         self.weights_ready.clear()
         t0 = time.perf_counter()
         try:
             if self.engine.policy_version < 0:  # first weights of this learner: nothing of value in flight
-                await self.engine.load_weights(sync["meta"], version)
+                await self.engine.load_weights(sync["meta"], version, **opts)
             else:
-                t = await self.engine.update_in_flight(sync["meta"], version, mode)
+                t = await self.engine.update_in_flight(sync["meta"], version, mode, **opts)
                 self.updates.append(t)
                 self.stats["updates"] += 1
                 self.stats["stall_seconds"] += t["stall"]

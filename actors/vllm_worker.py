@@ -42,7 +42,7 @@ class WeightSyncExtension:
         # worker's loaders take its shard of each tensor, which the swap's records do not follow
         if backend != "gloo" or world_size > 2 or getattr(self, "_reload_mode", None) == "layerwise":
             cpu_reload = "layerwise"  # (a fallback once taken stays: the swap's shadows were removed)
-        self._reload_mode = cpu_reload
+        self._reload_mode, self._ws_world = cpu_reload, world_size
         self._prepacked_reload = getattr(self, "_prepacked_reload", None)  # kept across rejoins
         # reload warns on every sync that the tied lm_head and rotary buffers got no weights: expected
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -52,11 +52,17 @@ class WeightSyncExtension:
         self._ws = WeightReceiver(host, port, prefix, rank, world_size, backend, device, timeout_s, ring=backend != "gloo")
         return True
 
-    def ws_recv(self, meta: Meta) -> dict:
-        """Receive a broadcast and load it at once (the engine is idle between two batches)."""
+    def ws_recv(self, meta: Meta, fingerprint: bool = False, corrupt: bool = False) -> dict:
+        """Receive a broadcast and load it at once (the engine is idle between two batches); with
+        `fingerprint`, fingerprint what was loaded (`corrupt`: the fault drill first)."""
         t0 = time.perf_counter()
         self._apply(self._receive(meta, lazy=True))
-        return {"seconds": time.perf_counter() - t0, "reload": self._reload_mode}
+        return {"seconds": time.perf_counter() - t0, "reload": self._reload_mode, **self._after_load(fingerprint, corrupt)}
+
+    def _after_load(self, fingerprint: bool, corrupt: bool) -> dict:
+        if corrupt:
+            self.ws_fault_corrupt()
+        return {"fingerprint": self.ws_fingerprint() if fingerprint else None}
 
     def ws_prefetch(self, meta: Meta) -> bool:
         """Start receiving a broadcast in a background thread and return at once, so generation goes on
@@ -77,8 +83,9 @@ class WeightSyncExtension:
         (cheap: polled between engine steps)."""
         return not self._prefetch.is_alive()
 
-    def ws_commit(self) -> dict:
-        """Wait for the prefetched broadcast, then load it (call only while generation is paused)."""
+    def ws_commit(self, fingerprint: bool = False, corrupt: bool = False) -> dict:
+        """Wait for the prefetched broadcast, then load it (call only while generation is paused); the
+        fingerprint, if asked for, is taken before generation resumes."""
         t0 = time.perf_counter()
         self._prefetch.join()
         waited = time.perf_counter() - t0
@@ -86,7 +93,8 @@ class WeightSyncExtension:
         if isinstance(staged, BaseException):
             raise RuntimeError(f"weight prefetch failed: {staged}") from staged
         self._apply(staged)
-        return {"seconds": time.perf_counter() - t0, "waited": waited, "reload": self._reload_mode}
+        return {"seconds": time.perf_counter() - t0, "waited": waited, "reload": self._reload_mode,
+                **self._after_load(fingerprint, corrupt)}
 
     def _prepacked(self) -> PrepackedReload | None:
         if self._reload_mode != "prepacked":
@@ -151,6 +159,23 @@ class WeightSyncExtension:
             qm = getattr(model.lm_head, "quant_method", None)
             if qm is not None and hasattr(qm, "process_weights_after_loading"):
                 qm.process_weights_after_loading(model.lm_head)
+
+    def ws_fingerprint(self) -> dict[str, int] | None:
+        """The fingerprint of the weights the model computes with now (actors/fingerprint.py); None for a
+        tensor-parallel worker, whose shards the learner's per-block sums do not describe."""
+        if getattr(self, "_ws", None) is None or self._ws_world > 2:
+            return None
+        from actors.fingerprint import engine_fingerprint
+
+        return engine_fingerprint(self.model_runner.model)
+
+    @torch.no_grad()
+    def ws_fault_corrupt(self) -> bool:
+        """Fault drill (actor.fault_corrupt_load_at_syncs): change one weight after a load, as a loader
+        that skipped a tensor would leave it, so the fingerprint check has something to catch."""
+        norm = dict(self.model_runner.model.named_parameters())["model.norm.weight"]
+        norm.data[0] += 1.0
+        return True
 
     def ws_close(self) -> bool:
         ws = getattr(self, "_ws", None)

@@ -178,6 +178,10 @@ class EngineConfig(_Strict):
 class ActorConfig(_Strict):
     max_restarts: int = Field(3, ge=0)
     """`exgrpo-async train` restarts a local actor that exits with an error up to this many times."""
+    fault_corrupt_load_at_syncs: list[int] = []
+    """Fault drill: after these weight loads (counted from 1 in each actor process) one weight of the
+    engine is changed, as a loader that skipped a tensor leaves it. The fingerprint check
+    (weight_sync.fingerprint) must catch each one. Leave empty."""
     num_actors: int | None = Field(None, ge=0)
     """Actor processes that `exgrpo-async train` starts locally (more may join with `exgrpo-async actor`).
     None: chosen from the machine (exgrpo_async/layout.py): on CPU an actor per core (a core per vLLM
@@ -435,6 +439,14 @@ class WeightSyncConfig(_Strict):
     """Deadline of one group set-up or broadcast."""
     bucket_mb: int = Field(64, gt=0)
     """Weights travel in buckets of about this size; receive of bucket i+1 overlaps the load of bucket i."""
+    fingerprint: bool = True
+    """After each load an actor fingerprints the weights its engine computes with (exact bit sums of
+    each linear layer's output for a few one-hot inputs and of the other parameters, per block:
+    exgrpo_async/fingerprint.py) and reports it; the learner compares it with the published version's,
+    counts a mismatch (`weight_fingerprint_mismatches`, alert ExgrpoWeightFingerprintMismatch), re-sends
+    the weights and trains on nothing that actor generated with them. Costs a read of the embeddings and
+    a few columns of every matrix per load. Tensor-parallel engines are not fingerprinted. Turn off only
+    for a model whose loader transforms weights (every sync would mismatch)."""
 
 
 class MetricsConfig(_Strict):

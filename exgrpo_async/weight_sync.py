@@ -40,8 +40,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from exgrpo_async.fingerprint import expected
+
 Meta = list[list[tuple[str, str, list[int]]]]  # buckets of (name, dtype name, shape)
 NCCL_GRACE_S = 60.0  # NCCL's watchdog timeout on a weight-sync group: ours plus this
+KEEP_FINGERPRINTS = 16  # versions whose fingerprints the publisher keeps for late reports
 
 
 class SyncTimeout(TimeoutError):
@@ -177,6 +180,7 @@ class WeightPublisher:
         self._sets: list[list[torch.Tensor]] = []  # flat bucket buffers, reused across versions
         self._users: list[int] = []  # sync jobs holding each set
         self._current = -1
+        self._fingerprints: dict[int, dict[str, int]] = {}  # version -> fingerprint, the last few
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
         """Pack the given parameters (HF names) into flat buckets on the sync device, cast to `dtype` (the
@@ -215,6 +219,31 @@ class WeightPublisher:
         with self._lock:
             if token < len(self._users):
                 self._users[token] -= 1
+
+    def fingerprint(self, version: int, meta: Meta, flat: list[torch.Tensor]) -> dict[str, int]:
+        """The fingerprint (exgrpo_async/fingerprint.py) of `version`, packed in `flat` (checked out);
+        computed once per version, the last few kept (`expected_fingerprint`)."""
+        with self._lock:
+            if version in self._fingerprints:
+                return self._fingerprints[version]
+        named = {}
+        for bucket, buf in zip(meta, flat):
+            off = 0
+            for name, _, shape in bucket:
+                n = _numel(shape)
+                named[name] = buf[off:off + n].view(shape)
+                off += n
+        fp = expected(named)
+        with self._lock:
+            self._fingerprints[version] = fp
+            while len(self._fingerprints) > KEEP_FINGERPRINTS:
+                self._fingerprints.pop(min(self._fingerprints))
+        return fp
+
+    def expected_fingerprint(self, version: int) -> dict[str, int] | None:
+        """`version`'s fingerprint, if it was computed (for a sync) and is among the last few."""
+        with self._lock:
+            return self._fingerprints.get(version)
 
     def open_group(self, key: str, world_size: int) -> None:
         """Join a new actor's group as rank 0 (blocks until the actor's workers join, or `timeout_s`).

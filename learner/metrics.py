@@ -83,6 +83,10 @@ _SERVER_COUNTERS = {
     "work_reissued": ("exgrpo_learner_work_reissued", "Work items re-issued past transport.work_deadline_s."),
     "work_released": ("exgrpo_learner_work_released", "Work items taken back from actors that left or died."),
     "sync_failures": ("exgrpo_weight_sync_failures", "Weight-sync jobs that failed."),
+    "weight_fingerprint_mismatches": ("exgrpo_weight_fingerprint_mismatches",
+                                      "Loads after which an actor's engine did not hold the weights it was sent."),
+    "fingerprint_rejected_groups": ("exgrpo_learner_fingerprint_rejected_groups",
+                                    "Groups generated with weights whose fingerprint was wrong (re-issued)."),
 }
 
 

@@ -52,6 +52,7 @@ from exgrpo_async.transport import LearnerSocket
 from exgrpo_async.weight_sync import WeightPublisher
 from exgrpo_async.wire import WireError, decode_header, decode_rollouts, encode_control
 from learner.dispatch import Dispatcher, WorkItem
+from learner.fingerprints import FingerprintCheck
 from learner.metrics import TargetsFile
 
 log = logging.getLogger("exgrpo_async.learner.server")
@@ -165,6 +166,7 @@ class LearnerServer:
         # may outlive the actor's membership); bounded by transport.max_pending_joins
         self._joining: dict[str, ActorInfo] = {}
         self.drops = DropLog()
+        self.fingerprints = FingerprintCheck(publisher, self.counters)
         self.targets: TargetsFile | None = None  # Prometheus file SD: rewritten when membership changes
         self.on_sync = None  # callable(seconds) for each broadcast served (the Prometheus histogram)
 
@@ -243,8 +245,9 @@ class LearnerServer:
             if info.world is None:
                 raise WireError(f"sync from {info.actor_id} before it asked for its weight-sync group")
             version, meta, flat, token = self.publisher.checkout()
-            info.jobs.put(("send", info.group_key, flat, token))
-            self.sock.send(peer, encode_control("sync", version=version, meta=meta))
+            check = self.cfg.weight_sync.fingerprint and info.world == 2  # not a tensor-parallel engine
+            info.jobs.put(("send", info.group_key, flat, token, (version, meta) if check else None))
+            self.sock.send(peer, encode_control("sync", version=version, meta=meta, fingerprint=check))
             info.version = version
         elif kind == "bye":
             n = self._remove(peer)
@@ -345,6 +348,8 @@ class LearnerServer:
 
     def _work(self, peer: bytes, info: ActorInfo, head: dict) -> None:
         self._note_actor_stats(info, head)
+        if "fingerprint" in head and not self.fingerprints.check(info.actor_id, info.version, head["fingerprint"]):
+            info.version = -1  # the weights it runs are not the ones sent: send them again
         if self.dispatcher.stopped:
             self.sock.send(peer, encode_control("stop"))
             return
@@ -384,12 +389,13 @@ class LearnerServer:
         if item is not held:  # re-issued by the training loop meanwhile
             self._drop("unknown_work", "rollouts", f"rollouts for work {group.work_id}, re-issued meanwhile")
             return
+        if self.fingerprints.tainted(info.actor_id, group.policy_version):
+            self.counters["fingerprint_rejected_groups"] += 1
+            self._give_back(item)
+            return
         if len(group.completions) != item.n:
             self.counters["wrong_group_size"] += 1
-            if item.purpose == "train":
-                self.dispatcher.reissue(item)  # an experience item keeps its replay
-            else:  # an eval item goes back on the eval queue: the evaluation waits for every question
-                self.dispatcher.add_eval([item.question_id], item.n, item.temperature, item.min_version)
+            self._give_back(item)
             log.warning("work %d came back with %d of %d samples; re-issued", item.work_id, len(group.completions), item.n)
             return
         if item.replay is not None:
@@ -400,6 +406,13 @@ class LearnerServer:
                            "replay reward; re-issued")
                 return
         self.inbox.put((item, group))
+
+    def _give_back(self, item: WorkItem) -> None:
+        """Put a completed item's question out again, its rollouts unused."""
+        if item.purpose == "train":
+            self.dispatcher.reissue(item)  # an experience item keeps its replay
+        else:  # an eval item goes back on the eval queue: the evaluation waits for every question
+            self.dispatcher.add_eval([item.question_id], item.n, item.temperature, item.min_version)
 
     # ------------------------------------------------------------------ sync thread
     def _sync_worker(self, info: ActorInfo) -> None:
@@ -418,6 +431,8 @@ class LearnerServer:
                         self._joining.pop(info.group_key, None)
                 elif job[0] == "send":
                     try:
+                        if job[4] is not None:  # before the send: ready before the actor can report its own
+                            self.publisher.fingerprint(*job[4], job[2])
                         seconds = self.publisher.send(job[1], job[2])
                         self.sync_seconds.append(seconds)
                         if self.on_sync is not None:

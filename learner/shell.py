@@ -367,6 +367,8 @@ class Shell:
             "work_released": s.counters["work_released"], "rejoin_requests": s.counters["rejoin_requests"],
             "unknown_work": s.counters["unknown_work"], "actors_joined": s.joined,
             "joins_refused": s.counters["joins_refused"],
+            **{k: s.counters[k] for k in ("fingerprints_checked", "fingerprints_unchecked",
+                                          "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
             **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),

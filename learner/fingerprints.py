@@ -1,0 +1,54 @@
+"""The learner's check that every actor runs the weights it was sent (exgrpo_async/fingerprint.py).
+
+An actor reports, in its first work request after a load, the fingerprint of the weights its engine
+computes with. `FingerprintCheck.check` compares it with the fingerprint of the version the learner
+sent it: a mismatch is counted (`weight_fingerprint_mismatches`), logged with the blocks that differ,
+and marks (actor, version) tainted, so that no rollout that actor generated with that version is
+trained on (`tainted`; the server re-issues its question and counts `fingerprint_rejected_groups`)
+and the server sends the weights again. A report the learner cannot compare (the version's fingerprint
+is no longer kept) is counted as `fingerprints_unchecked`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+
+from exgrpo_async.fingerprint import MASK, mismatched
+from exgrpo_async.weight_sync import WeightPublisher
+from exgrpo_async.wire import WireError
+
+log = logging.getLogger("exgrpo_async.learner.server")
+
+MAX_BLOCKS = 1 << 14  # blocks in one fingerprint: a few per layer
+KEEP_TAINTED = 1024  # (actor, version) pairs remembered
+
+
+class FingerprintCheck:
+    def __init__(self, publisher: WeightPublisher, counters: Counter):
+        self.publisher, self.counters = publisher, counters
+        self._tainted: deque[tuple[str, int]] = deque(maxlen=KEEP_TAINTED)
+
+    def check(self, actor_id: str, version: int, reported) -> bool:
+        """False if `reported` (an actor's fingerprint of `version`) differs from what was published."""
+        if (not isinstance(reported, dict) or len(reported) > MAX_BLOCKS
+                or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MASK
+                           for k, v in reported.items())):
+            raise WireError("bad fingerprint field")
+        want = self.publisher.expected_fingerprint(version)
+        if want is None:
+            self.counters["fingerprints_unchecked"] += 1
+            return True
+        self.counters["fingerprints_checked"] += 1
+        bad = mismatched(reported, want)
+        if not bad:
+            return True
+        self.counters["weight_fingerprint_mismatches"] += 1
+        self._tainted.append((actor_id, version))
+        log.error("%s does not run the weights of version %d it was sent: %d of %d blocks differ (%s); none of its "
+                  "rollouts of that version are trained on, and its weights are sent again", actor_id, version,
+                  len(bad), len(want), ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else ""))
+        return False
+
+    def tainted(self, actor_id: str, version: int) -> bool:
+        return (actor_id, version) in self._tainted
