@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import children_of, cli
+from tests.integration.helpers import children_of, cli, log_excerpt
 from tests.unit.test_trackers import tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.slow  # real `train` runs: 1-4 min each
@@ -80,6 +80,29 @@ def test_a_tensor_parallel_actor_joins_with_every_worker_and_trains(small, tmp_p
     assert summary["actors_lost"] == 0
 
 
+def test_stream_actors_train_and_a_corrupted_weight_load_is_caught(small, tmp_path):
+    """The stream actor loop (`actor.engine.kind=stream`: in-flight weight updates) in a real run, with the
+    fault drill corrupting one weight after the actor's third load: its fingerprint must be refused
+    (counted once per corrupted load, logged), its weights sent again, any group it generated with the
+    corrupted weights re-issued rather than trained on, and the run must finish with its books balanced."""
+    out, steps = tmp_path / "runs", 8
+    proc = subprocess.run(cli(["train", *small, f"learner.max_steps={steps}", "actor.num_actors=1",
+                               "actor.engine.kind=stream", "actor.fault_corrupt_load_at_syncs=[3]",
+                               "data.eval_file=none", "metrics.port=none", f"output_dir={out}"]),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(out.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["questions_unaccounted"] == 0
+    assert summary["update_stall_seconds_mean"] is not None  # in-flight updates happened (the stream loop)
+    assert proc.stderr.count("fault drill: corrupting the load") == 1
+    assert summary["weight_fingerprint_mismatches"] == 1, summary
+    assert "does not run the weights of version" in proc.stderr
+    # every other load was checked and matched: one sync per version it served, plus the repeat
+    assert summary["fingerprints_checked"] >= 4 and summary["fingerprints_unchecked"] == 0
+    assert summary["questions_trained"] == steps * 8
+
+
 def test_sigterm_stops_every_child(small, tmp_path):
     out = tmp_path / "runs"
     log = open(tmp_path / "train.log", "w")
@@ -110,7 +133,7 @@ def test_sigterm_stops_every_child(small, tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
         # the launcher's own exit for an interrupt, and its line (a crash would be 1, or a signal's code)
-        assert proc.returncode == 130, (tmp_path / "train.log").read_text()[-3000:]
+        assert proc.returncode == 130, log_excerpt(tmp_path / "train.log")
         assert "interrupted; every child process was stopped" in (tmp_path / "train.log").read_text()
         time.sleep(1)
         alive = [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]]

@@ -17,6 +17,7 @@ import torch
 
 from actors.engine import VLLMEngine
 from exgrpo_async.config import EngineConfig, ModelConfig
+from exgrpo_async.fingerprint import mismatched
 from exgrpo_async.weight_sync import WeightPublisher
 
 SHORT = ["<bos>12+34=", "<bos>7*8=", "<bos>99-45=", "<bos>3+4*5="]
@@ -33,14 +34,18 @@ def joined(engine: VLLMEngine) -> WeightPublisher:
     return pub
 
 
-def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int, named: list | None = None) -> None:
+def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int, named: list | None = None,
+         corrupt: bool = False) -> list[str]:
+    """Publish, broadcast and load `version`; returns the blocks whose fingerprints differ between the
+    engine (after the load) and the publisher (exgrpo_async/fingerprint.py)."""
     pub.publish(version, named or list(model.named_parameters()))
     _, meta, flat = pub.snapshot()
     t = threading.Thread(target=pub.send, args=("a", flat))
     t.start()
-    engine.load_weights(meta, version)
+    engine.load_weights(meta, version, fingerprint=True, corrupt=corrupt)
     t.join(timeout=60)
     assert not t.is_alive()
+    return mismatched(engine.fingerprint, pub.fingerprint(version, meta, flat)) if engine.fingerprint is not None else None
 
 
 def prepacked_counts(worker) -> dict[str, int]:
@@ -80,7 +85,8 @@ def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            sync(engine, pub, model, version)
+            # the engine computes with exactly the weights sent (its fingerprint; a TP engine has none)
+            assert sync(engine, pub, model, version) == ([] if tp == 1 else None)
             # a TP worker loads its shards through vLLM's loaders: the swap is for one worker
             assert engine.policy_version == version and engine.reload_mode == (reload if tp == 1 else "layerwise")
             if reload == "prepacked" and tp == 1:  # the bucket plan lays fused projections out: no shadow copies
@@ -97,6 +103,9 @@ def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
         for s in samples:
             diff = (hf_logprobs(model, prompt_ids.tolist(), s.token_ids.tolist()) - torch.from_numpy(s.logprobs)).abs().max()
             assert diff < 1e-3
+        if tp == 1:  # a load that leaves one weight wrong (the fault drill) is caught, in its block only
+            assert sync(engine, pub, model, 3, corrupt=True) == ["model"]
+            assert sync(engine, pub, model, 4) == []  # and the next load repairs it
     finally:
         engine.close()
         pub.close_group("a")
@@ -126,7 +135,8 @@ def test_partial_broadcast_falls_back_to_layerwise(tiny_tied, request):
         with torch.no_grad():
             for _, p in sent:
                 p.add_(torch.randn_like(p) * 0.05)
-        sync(engine, pub, model, 1, sent)
+        # the MLPs keep their old weights: the fingerprint names every MLP block, and nothing else
+        assert sync(engine, pub, model, 1, sent) == [f"model.layers.{i}.mlp" for i in range(model.config.num_hidden_layers)]
         assert engine.reload_mode == "layerwise"
         for prompt, (prompt_ids, samples) in zip(SHORT, engine.generate(SHORT, 1, 0.0, 16)):
             got = samples[0].token_ids.tolist()
