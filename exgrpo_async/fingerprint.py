@@ -21,6 +21,7 @@ import torch
 
 PROBES = 8  # one-hot input columns per linear layer
 MASK = (1 << 64) - 1
+CHUNK = 1 << 22  # elements widened to int64 at a time (32 MiB of scratch)
 
 
 def block_of(name: str) -> str:
@@ -34,17 +35,18 @@ def probe_columns(in_features: int) -> list[int]:
     return sorted({(k * in_features) // PROBES for k in range(PROBES)} | {in_features - 1})
 
 
-def bitsum(t: torch.Tensor) -> int:
-    """Sum of the tensor's bit patterns modulo 2**64 (exact, independent of order and shape)."""
+def bitsum(t: torch.Tensor, chunk: int = CHUNK) -> int:
+    """Sum of the tensor's bit patterns modulo 2**64 (exact, independent of order and shape). Widened
+    `chunk` elements at a time, so a large embedding costs no more than 8 x `chunk` bytes of scratch."""
     t = t.detach().contiguous().reshape(-1)
-    if t.numel() == 0:
-        return 0
     ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    if t.element_size() == 2:  # unsigned patterns, so an element's sign bit does not flip the sum's sign
-        ints = ints.to(torch.int32) & 0xFFFF
-    elif t.element_size() == 4:
-        ints = ints.to(torch.int64) & 0xFFFFFFFF
-    return int(ints.to(torch.int64).sum().item()) & MASK
+    total = 0
+    for part in ints.split(chunk):
+        wide = part.to(torch.int64)
+        if t.element_size() < 8:  # unsigned patterns, so an element's sign bit does not flip the sum's sign
+            wide &= (1 << (8 * t.element_size())) - 1
+        total += int(wide.sum().item())
+    return total & MASK
 
 
 def is_linear_weight(name: str, t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ def test_bitsum_ignores_layout_and_sees_every_element(dtype):
     fused = torch.cat([a, b])
     assert bitsum(fused) == bitsum(a) + bitsum(b)  # q/k/v fused into one tensor: the same sum
     assert bitsum(fused.t().contiguous()) == bitsum(fused) == bitsum(fused[torch.randperm(9, generator=g)])
+    assert bitsum(fused, chunk=7) == bitsum(fused)  # widened a chunk at a time: the same sum
     for i in range(fused.numel()):  # the smallest change of any one element changes the sum
         changed = fused.clone().reshape(-1)
         changed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[i] += 1  # the next value up
