@@ -178,7 +178,8 @@ def report(a, out: Path, returncode: int, samples: list[dict], events: list[dict
         "restarts": log_text.count("restarting it"),
         **{k: summary.get(k) for k in ("questions_unaccounted", "questions_dispatched", "questions_trained",
                                        "stale_dropped", "actors_lost", "actors_joined", "work_reissued",
-                                       "work_released", "bad_messages", "skipped_steps")},
+                                       "work_released", "bad_messages", "skipped_steps", "fingerprints_checked",
+                                       "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
         "samples": samples, "event_log": events,
     }
     (out / "soak.json").write_text(json.dumps(res, indent=2))
