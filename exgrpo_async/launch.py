@@ -167,7 +167,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
     children: list[subprocess.Popen] = []
     ranks: list[subprocess.Popen] = []  # the learner's ranks; ranks[0] (the lead) is also children[0]
-    stopping = False
+    stopping, failed_run = False, False  # failed_run: the launcher stopped the run because part of it failed
 
     def shutdown(*_):
         nonlocal stopping
@@ -215,10 +215,13 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                     children[1 + i] = _spawn(args, actor_envs[i], nice=actor_nice)
             if any(r.poll() is not None and r.returncode != 0 for r in ranks[1:]):
                 log.error("a learner rank exited with an error; stopping the run (the lead cannot step without it)")
+                failed_run = True
                 break
             failed = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
             if actor_args and len(failed) == len(actor_args):
-                log.error("every actor exited with an error, restarts used up; stopping the learner")
+                log.error("every actor exited with an error, restarts used up (actor.max_restarts=%d); stopping the "
+                          "learner", cfg.actor.max_restarts)
+                failed_run = True
                 break
             time.sleep(0.5)
     finally:
@@ -234,7 +237,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     if stopping:
         print("interrupted; every child process was stopped", flush=True)
         return 130
-    return rc
+    return 1 if failed_run else rc  # the learner stopped by us exits 143: the run failed all the same
 
 
 def _teardown(children: list[subprocess.Popen], wait_first: bool) -> int:

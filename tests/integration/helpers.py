@@ -11,12 +11,29 @@ def cli(args: list[str]) -> list[str]:
 
 
 def children_of(pid: int) -> set[int]:
+    """Every descendant of `pid` now (a process or thread that exits while this reads is skipped)."""
     out: set[int] = set()
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        kids = (task / "children").read_text().split()
+        try:
+            kids = (task / "children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
         for k in map(int, kids):
             out |= {k} | children_of(k)
     return out
+
+
+def actor_pids(launcher_pid: int) -> list[int]:
+    """The `exgrpo-async actor` processes below a launcher, oldest pid first."""
+    pids = []
+    for pid in children_of(launcher_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"actor" in cmd and b"exgrpo_async.cli" in cmd:
+            pids.append(pid)
+    return sorted(pids)
 
 
 def log_excerpt(path: Path, tail: int = 3000) -> str:

@@ -8,6 +8,7 @@ and the fault must show in the counters that watch it.
 - an actor killed with SIGKILL mid-run (the learner presumes it dead and re-issues its work; the
   launcher starts a replacement), a NaN loss, junk on the learner's socket and an actor that joins
   while training runs (elastic membership), in one run;
+- actors that keep dying: once `actor.max_restarts` is used up the launcher stops the run, exit 1;
 - an actor frozen with SIGSTOP past `transport.actor_timeout_s`: presumed dead, its work re-issued;
   after SIGCONT it is told to rejoin, and does;
 - the learner killed with SIGKILL and restarted with --resume on the same address: the actors rejoin
@@ -30,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from exgrpo_async.wire import encode_control
-from tests.integration.helpers import children_of, cli, kill_tree, log_excerpt
+from tests.integration.helpers import actor_pids, children_of, cli, kill_tree, log_excerpt
 
 pytestmark = pytest.mark.slow  # real `train` runs with faults: 2-5 min each
 
@@ -52,18 +53,6 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
 def rows_of(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-
-
-def actor_pids(launcher_pid: int) -> list[int]:
-    pids = []
-    for pid in children_of(launcher_pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if b"actor" in cmd and b"exgrpo_async.cli" in cmd:
-            pids.append(pid)
-    return sorted(pids)
 
 
 def alive(pid: int) -> bool:
@@ -159,6 +148,34 @@ def test_kill9_nan_junk_and_elastic_join(small, tmp_path, world):
     assert extra.wait(timeout=60) == 0  # the elastic actor was told to stop at the end
     time.sleep(1)
     assert not [k for k in first_children if alive(k)], "the killed actor's verifier workers outlived it"
+
+
+def test_launcher_gives_up_once_actor_restarts_are_used_up(small, tmp_path):
+    """`actor.max_restarts=1`: the launcher replaces the first actor that dies (SIGKILL); when the
+    replacement dies too, no actor is left to restart, so it stops the learner and `train` exits 1 (not
+    the 143 of the learner it stopped), saying why, with no process left behind."""
+    out = tmp_path / "runs"
+    log_path = tmp_path / "train.log"
+    proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, "learner.max_steps=100000", "actor.num_actors=1",
+                                 "actor.max_restarts=1", f"output_dir={out}"]),
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        run_dir = wait_for(lambda: next(iter(out.glob("run-*")), None), 300, "the run folder", proc)
+        wait_for(lambda: len(rows_of(run_dir)) >= 1, 300, "the first step", proc)
+        first = actor_pids(proc.pid)
+        os.kill(first[0], signal.SIGKILL)
+        second = wait_for(lambda: [p for p in actor_pids(proc.pid) if p not in first], 60, "the replacement", proc)
+        assert "restarting it (1/1)" in log_path.read_text()
+        descendants = children_of(proc.pid)
+        os.kill(second[0], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1, log_excerpt(log_path)
+    finally:
+        kill_tree(proc)
+    text = log_path.read_text()
+    assert "every actor exited with an error, restarts used up (actor.max_restarts=1)" in text
+    assert "restarting it (2/" not in text
+    time.sleep(1)
+    assert not [p for p in descendants if alive(p)], "processes outlived the run"
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["learner1", "learner2"])
