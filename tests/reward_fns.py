@@ -65,6 +65,16 @@ def graded_exact_match(response: str, gold: str, row: dict) -> float:
     return reward
 
 
+def slow_on_some(response: str, gold: str, row: dict) -> float:
+    """graded_exact_match, but a training question whose id is a multiple of 8 sleeps 30 s first (past
+    any test's verifier deadline); such a call is logged before it sleeps, with reward null."""
+    if row["purpose"] == "train" and row["question_id"] % 8 == 0:
+        with open(os.environ[PROBE_LOG_ENV], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "row": row, "reward": None}) + "\n")
+        time.sleep(30)
+    return graded_exact_match(response, gold, row)
+
+
 def __getattr__(name: str):
     """`worker_only_missing` exists in the test process but not in a verifier worker (named "verifier")."""
     if name == "worker_only_missing" and multiprocessing.current_process().name != "verifier":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import time
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import children_of, cli, log_excerpt
+from tests.reward_fns import PROBE_LOG_ENV
 from tests.unit.test_trackers import tensorboard_scalars, wandb_history
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # real `train` runs: 1-4 min each
 
 FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_norm", "tokens_generated", "rollouts",
@@ -80,27 +83,38 @@ def test_a_tensor_parallel_actor_joins_with_every_worker_and_trains(small, tmp_p
     assert summary["actors_lost"] == 0
 
 
-def test_stream_actors_train_and_a_corrupted_weight_load_is_caught(small, tmp_path):
-    """The stream actor loop (`actor.engine.kind=stream`: in-flight weight updates) in a real run, with the
-    fault drill corrupting one weight after the actor's third load: its fingerprint must be refused
-    (counted once per corrupted load, logged), its weights sent again, any group it generated with the
-    corrupted weights re-issued rather than trained on, and the run must finish with its books balanced."""
-    out, steps = tmp_path / "runs", 8
+def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeouts(small, tmp_path):
+    """The stream actor loop (`actor.engine.kind=stream`: in-flight weight updates) in a real run, with two
+    faults. The fault drill corrupts one weight after the actor's third load: its fingerprint must be
+    refused (counted once, logged), its weights sent again, any group it generated with them re-issued
+    rather than trained on. A reward function that hangs on every eighth training question: each such
+    completion times out (reward 0), and the learner counts every one it trains on. The run must finish
+    with its books balanced."""
+    out, steps, probe = tmp_path / "runs", 8, tmp_path / "rewards.jsonl"
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={steps}", "actor.num_actors=1",
                                "actor.engine.kind=stream", "actor.fault_corrupt_load_at_syncs=[3]",
+                               "actor.verifier.function=tests.reward_fns:slow_on_some", "actor.verifier.timeout_s=0.5",
+                               "actor.verifier.workers=2",
                                "data.eval_file=none", "metrics.port=none", f"output_dir={out}"]),
-                          capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=dict(os.environ, **{PROBE_LOG_ENV: str(probe)}), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["questions_unaccounted"] == 0
+    assert summary["questions_trained"] == steps * 8
     assert summary["update_stall_seconds_mean"] is not None  # in-flight updates happened (the stream loop)
     assert proc.stderr.count("fault drill: corrupting the load") == 1
     assert summary["weight_fingerprint_mismatches"] == 1, summary
     assert "does not run the weights of version" in proc.stderr
     # every other load was checked and matched: one sync per version it served, plus the repeat
     assert summary["fingerprints_checked"] >= 4 and summary["fingerprints_unchecked"] == 0
-    assert summary["questions_trained"] == steps * 8
+    # a hanging question times out on all its samples: the trained count is a multiple of the group size
+    hung = sum(1 for line in probe.read_text().splitlines() if json.loads(line)["reward"] is None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timeouts = rows[-1]["verify_timeouts_total"]
+    assert 4 <= timeouts <= hung and timeouts % 4 == 0, (timeouts, hung)
+    assert [r["verify_timeouts_total"] for r in rows] == sorted(r["verify_timeouts_total"] for r in rows)
 
 
 def test_sigterm_stops_every_child(small, tmp_path):
