@@ -128,6 +128,31 @@ def actor_idle_share(before: dict[str, tuple[float, float]], now: dict[str, tupl
     return max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else None
 
 
+class Tally:
+    """Values reported by actors or sync threads: those since the training loop last took them (at most
+    `keep`), and the running count and sum of all, so a long run holds no per-sync history."""
+
+    def __init__(self, keep: int = 10_000):
+        self._lock = threading.Lock()
+        self._new: list[float] = []
+        self.keep, self.count, self.total = keep, 0, 0.0
+
+    def add(self, x: float) -> None:
+        with self._lock:
+            if len(self._new) < self.keep:
+                self._new.append(x)
+            self.count += 1
+            self.total += x
+
+    def take(self) -> list[float]:
+        with self._lock:
+            out, self._new = self._new, []
+            return out
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
 @dataclass
 class ActorInfo:
     actor_id: str
@@ -154,8 +179,9 @@ class LearnerServer:
         self.inbox: queue.Queue[tuple[WorkItem, RolloutGroup]] = queue.Queue()
         self.actors: dict[bytes, ActorInfo] = {}
         self.counters: Counter[str] = Counter()
-        self.sync_seconds: list[float] = []  # learner-side broadcast seconds, one per sync served
-        self.update_timings: list[dict] = []  # actors' in-flight update seconds (pause, stall, total)
+        self.sync_seconds = Tally()  # learner-side broadcast seconds, one per sync served
+        self.update_stalls = Tally()  # actors' in-flight updates: seconds the engine stood still
+        self.update_pauses = Tally()  # and seconds their pause call took (drain or abort)
         # actor id -> (its seconds generating so far, when it said so): its last work request's busy_s
         self.actor_busy: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
@@ -344,7 +370,9 @@ class LearnerServer:
             self._update_targets()
         if busy is not None:
             self.actor_busy[info.actor_id] = (float(busy), time.monotonic())
-        self.update_timings.extend({k: float(u[k]) for k in ("pause", "stall", "total")} for u in updates)
+        for u in updates:
+            self.update_stalls.add(float(u["stall"]))
+            self.update_pauses.add(float(u["pause"]))
 
     def _work(self, peer: bytes, info: ActorInfo, head: dict) -> None:
         self._note_actor_stats(info, head)
@@ -434,7 +462,7 @@ class LearnerServer:
                         if job[4] is not None:  # before the send: ready before the actor can report its own
                             self.publisher.fingerprint(*job[4], job[2])
                         seconds = self.publisher.send(job[1], job[2])
-                        self.sync_seconds.append(seconds)
+                        self.sync_seconds.add(seconds)
                         if self.on_sync is not None:
                             self.on_sync(seconds)
                     finally:

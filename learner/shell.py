@@ -75,7 +75,7 @@ class Shell:
         self.trackers = Trackers(cfg.metrics, run_dir, cfg.model_dump(mode="json"), self.start_step, self.resumed)
         self._tokens_at_start, self._rollouts_at_start = self.totals["tokens"], self.totals["rollouts"]
         self._next_eval_tokens = self._after(self.totals["tokens"], L.eval_every_tokens)
-        self._n_syncs = self._n_updates = self._empty_buffer_steps = 0
+        self._empty_buffer_steps = 0
         self._busy: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
         self._idle: dict[str, list[float]] = {"learner": [], "actor": [], "cores": []}  # per step, for the balance
         self._cores = CoreClock()
@@ -200,8 +200,7 @@ class Shell:
 
     def step_timings(self, t_step: float, t_wait: float, t_train: float, t_pub: float) -> dict:
         s = self.server
-        syncs, self._n_syncs = s.sync_seconds[self._n_syncs:], len(s.sync_seconds)
-        updates, self._n_updates = s.update_timings[self._n_updates:], len(s.update_timings)
+        syncs, stalls, pauses = s.sync_seconds.take(), s.update_stalls.take(), s.update_pauses.take()
         busy_before, self._busy = self._busy, dict(s.actor_busy)  # a copy: the server thread writes it
         now = time.time()
         learner_idle, actor_idle = t_wait / max(1e-9, now - t_step), actor_idle_share(busy_before, self._busy)
@@ -214,9 +213,9 @@ class Shell:
         return {"sync_seconds": sum(syncs) / len(syncs) if syncs else 0.0, "publish_seconds": t_pub,
                 "step_seconds": now - t_step, "wait_seconds": t_wait, "train_seconds": t_train,
                 "learner_idle_frac": learner_idle, "actor_idle_frac": actor_idle, "cores_busy_frac": cores_busy,
-                "update_pause_seconds": sum(u["pause"] for u in updates) / len(updates) if updates else None,
-                "update_stall_seconds": sum(u["stall"] for u in updates) / len(updates) if updates else None,
-                "update_stall_max_seconds": max((u["stall"] for u in updates), default=None)}
+                "update_pause_seconds": sum(pauses) / len(pauses) if pauses else None,
+                "update_stall_seconds": sum(stalls) / len(stalls) if stalls else None,
+                "update_stall_max_seconds": max(stalls, default=None)}
 
     def run_counters(self) -> dict:
         t, s, elapsed = self.totals, self.server, max(1e-9, time.time() - self.t_start)
@@ -359,10 +358,9 @@ class Shell:
             "steps": last_step, "rl_seconds": rl_seconds, "rollouts": t["rollouts"], "tokens_generated": t["tokens"],
             "rollouts_per_s": (t["rollouts"] - self._rollouts_at_start) / rl_seconds,
             "tokens_per_s": (t["tokens"] - self._tokens_at_start) / rl_seconds,
-            "sync_seconds_mean": sum(s.sync_seconds) / max(1, len(s.sync_seconds)),
-            "syncs": len(s.sync_seconds), "stale_dropped": t["stale_dropped"],
-            "update_stall_seconds_mean": (sum(u["stall"] for u in s.update_timings) / len(s.update_timings)
-                                          if s.update_timings else None),
+            "sync_seconds_mean": s.sync_seconds.mean() or 0.0,
+            "syncs": s.sync_seconds.count, "stale_dropped": t["stale_dropped"],
+            "update_stall_seconds_mean": s.update_stalls.mean(),
             "actors_lost": s.counters["actors_lost"], "work_reissued": s.counters["work_reissued"],
             "work_released": s.counters["work_released"], "rejoin_requests": s.counters["rejoin_requests"],
             "unknown_work": s.counters["unknown_work"], "actors_joined": s.joined,
