@@ -232,9 +232,7 @@ class Shell:
         self.metrics_f.flush()
         self.trackers.log_step(row)
         if self.prom is not None:
-            self.prom.observe_step(row, {k: self.server.counters[k] for k in ("hellos", "actors_lost", "work_reissued",
-                                                                            "work_released", "sync_failures",
-                                                                            "joins_refused")})
+            self.prom.observe_step(row, dict(self.server.counters))  # it exports those it has a counter for
         self._t_progress = time.time()
         ex = self.experience
         if ex.mixed and ex.buffer.num_trajectories == 0:

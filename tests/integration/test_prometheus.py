@@ -1,11 +1,13 @@
 """A real Prometheus server scrapes a real training run through the project's own ops/ config.
 
 Prometheus (Debian's package, installed by ops/setup-prometheus.sh) runs with ops/prometheus/
-prometheus.yml and alerts.yml copied verbatim apart from 1-second intervals; the run's learner writes
-the file-SD targets into the config's targets/ folder. While the run trains, Prometheus must discover
-the learner and every actor, scrape their series, and load the alert rules; afterwards every query of
-the Grafana dashboard must evaluate, and most must have returned data. The run logs JSON lines, which
-are checked too.
+prometheus.yml and alerts.yml copied verbatim apart from 1-second intervals and 2-second `for:` holds;
+the run's learner writes the file-SD targets into the config's targets/ folder. While the run trains,
+Prometheus must discover the learner and every actor, scrape their series, and load the alert rules.
+Both actors are killed mid-run: ExgrpoNoActorsConnected must fire and resolve when their replacements
+join; a corrupted weight load must fire ExgrpoWeightFingerprintMismatch. Afterwards every query of the
+Grafana dashboard must evaluate, and most must have returned data. The run logs JSON lines, which are
+checked too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -23,13 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import cli
+from tests.integration.helpers import actor_pids, cli, kill_tree
 from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary
 
 pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 min
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 STEPS = 12
+FREEZE_S = 12.0  # both actors frozen this long: presumed dead after 3 s, so 9 s without any actor
 
 
 def _free_port() -> int:
@@ -57,7 +60,9 @@ def prometheus(tmp_path):
     cfg = (OPS / "prometheus" / "prometheus.yml").read_text()
     cfg = re.sub(r"(scrape_interval|evaluation_interval|refresh_interval):\s*\S+", r"\1: 1s", cfg)
     (tmp_path / "prometheus.yml").write_text(cfg)
-    shutil.copy(OPS / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    # the rules as shipped, but held for 2 s instead of minutes before they fire: a test cannot wait 2 min
+    rules = re.sub(r"\n(\s+)for: \d+m\n", r"\n\1for: 2s\n", (OPS / "prometheus" / "alerts.yml").read_text())
+    (tmp_path / "alerts.yml").write_text(rules)
     (tmp_path / "targets").mkdir()
     port = _free_port()
     log = open(tmp_path / "prometheus.log", "w")
@@ -84,11 +89,19 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     port, targets_dir = prometheus
     out = tmp_path / "runs"
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
+    # both actors are frozen (SIGSTOP) for FREEZE_S once they generate: the learner presumes them dead
+    # after 3 s of silence, so no actor is connected and ExgrpoNoActorsConnected must fire; woken, they
+    # are told to rejoin (as actor-3 and actor-4) and it must resolve. Each actor process corrupts its
+    # third weight load (the fault drill): ExgrpoWeightFingerprintMismatch must fire.
     run = subprocess.Popen(cli(["train", "--log-format", "json", *small, f"learner.max_steps={STEPS}", "actor.num_actors=2",
                                 f"output_dir={out}", f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true",
-                                "exgrpo.start_threshold=0.005", "data.eval_file=none"]), stdout=stdout, stderr=stderr)
+                                "exgrpo.start_threshold=0.005", "data.eval_file=none", "transport.actor_timeout_s=3",
+                                "transport.heartbeat_s=0.5", "actor.fault_corrupt_load_at_syncs=[3]"]),
+                           stdout=stdout, stderr=stderr)
     seen_targets: dict[str, set] = {}
-    seen_actor_series = False
+    seen_actor_series, killed, frozen, frozen_at = False, False, [], 0.0
+    alerts: list[tuple[str, str, bool, int]] = []  # the two alerts' state changes: (alert, state, frozen yet, steps)
+    state = {"ExgrpoNoActorsConnected": "inactive", "ExgrpoWeightFingerprintMismatch": "inactive"}
     try:
         deadline = time.monotonic() + 600
         while run.poll() is None and time.monotonic() < deadline:
@@ -96,18 +109,43 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
                 if t["health"] == "up":
                     seen_targets.setdefault(t["labels"]["role"], set()).add(t["labels"].get("actor_id"))
             seen_actor_series |= len(_query(port, 'exgrpo_actor_generated_tokens_total{role="actor"} > 0')) >= 2
-            time.sleep(1)
+            if not killed and seen_actor_series:
+                frozen, frozen_at, killed = actor_pids(run.pid), time.monotonic(), True
+                for pid in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+            if frozen and time.monotonic() > frozen_at + FREEZE_S:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
+                frozen = []
+            active = {a["labels"]["alertname"]: a["state"] for a in _api(port, "alerts")["alerts"]}
+            for name in state:
+                if active.get(name, "inactive") != state[name]:
+                    state[name] = active.get(name, "inactive")
+                    steps = sum(len(p.read_text().splitlines()) for p in out.glob("run-*/metrics.jsonl"))
+                    alerts.append((name, state[name], killed, steps))
+            time.sleep(0.5)
         run.wait(timeout=120)
     finally:
-        if run.poll() is None:
-            run.kill()
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        kill_tree(run)
         stdout.close()
         stderr.close()
     log_lines = (tmp_path / "stderr").read_text().splitlines()
     assert run.returncode == 0, "\n".join(log_lines[-40:])
     (run_dir,) = list(out.iterdir())
     assert seen_targets.get("learner") == {None}, seen_targets
-    assert seen_targets.get("actor") == {"actor-1", "actor-2"}, seen_targets
+    assert seen_targets.get("actor") == {"actor-1", "actor-2", "actor-3", "actor-4"}, seen_targets
+    # fired while no actor was connected, and resolved once they rejoined (before the run ended)
+    # (it may also have fired at the start, before the first actor's engine was up)
+    no_actors = [(st, steps) for name, st, after, steps in alerts if name == "ExgrpoNoActorsConnected" and after]
+    fired = next((i for i, (st, _) in enumerate(no_actors) if st == "firing"), None)
+    assert fired is not None and fired + 1 < len(no_actors), alerts
+    assert no_actors[fired + 1][0] == "inactive" and no_actors[fired + 1][1] < STEPS, alerts  # resolved mid-run
+    # Prometheus keeps every alert's state as the ALERTS series: the fingerprint alert fired
+    mismatch = _query(port, 'max_over_time(ALERTS{alertname="ExgrpoWeightFingerprintMismatch",alertstate="firing"}[10m])')
+    assert mismatch and mismatch[0]["metric"]["run"] == run_dir.name, (
+        mismatch, _query(port, "max_over_time(exgrpo_weight_fingerprint_mismatches_total[10m])"))
     assert seen_actor_series, "no scrape saw two actors' generated-token counters"
     assert not list(targets_dir.glob("*.json")), "the finished run's SD file was not removed"
     assert "report: " in (tmp_path / "stdout").read_text()
@@ -131,7 +169,9 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     assert float(last(f"exgrpo_weight_sync_duration_seconds_count{{{run_sel}}}")[0]["value"][1]) >= 2
     assert last(f"exgrpo_buffer_trajectories{{{run_sel}}}"), "no buffer series"
     per_actor = _query(port, f"max by (actor_id) (max_over_time(exgrpo_actor_generated_tokens_total{{{run_sel}}}[10m]))")
-    assert {r["metric"]["actor_id"] for r in per_actor} == {"actor-1", "actor-2"}
+    assert {r["metric"]["actor_id"] for r in per_actor} == {"actor-1", "actor-2", "actor-3", "actor-4"}
+    assert float(last(f"exgrpo_learner_actors_lost_total{{{run_sel}}}")[0]["value"][1]) == 2
+    assert float(last(f"exgrpo_weight_fingerprint_mismatches_total{{{run_sel}}}")[0]["value"][1]) >= 1
 
     # the alert rules loaded and evaluate without error
     rules = [r for g in _api(port, "rules")["groups"] for r in g["rules"]]
