@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume and not args.run_dir:
             print("exgrpo-async: learner --resume needs --run-dir", file=sys.stderr)
             return 2
-        return learner_main(_load(args), args.run_dir, args.resume)
+        from exgrpo_async.launch import reward_function_loads
+
+        cfg = _load(args)
+        return learner_main(cfg, args.run_dir, args.resume) if reward_function_loads(cfg) else 2
     if args.cmd == "actor":
         setup_logging("actor", str(os.getpid()), **logs)
         _sigterm_exits()
@@ -182,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         return actor_main(args.learner, args.cpu_cores, args.keys)
     if args.cmd == "eval":
         setup_logging("eval", **logs)
-        return _eval(args, _load(args))
+        from exgrpo_async.launch import reward_function_loads
+
+        cfg = _load(args)
+        return _eval(args, cfg) if reward_function_loads(cfg) else 2
     return 2
 
 

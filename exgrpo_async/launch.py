@@ -145,13 +145,22 @@ def check_devices(gpu_plan, visible_gpus: int) -> None:
                              f"{visible_gpus} CUDA device(s); set placement.gpus={visible_gpus} and fewer processes")
 
 
+def reward_function_loads(cfg: RunConfig) -> bool:
+    """Whether `actor.verifier.function` (if set) imports here; if not, says why on stderr. Cheap (a
+    Python import), and checked before anything starts: every actor would fail with the same error."""
+    if cfg.actor.verifier.function is None:
+        return True
+    try:
+        load_reward_function(cfg.actor.verifier.function)
+        return True
+    except RewardFunctionError as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return False
+
+
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
-    if cfg.actor.verifier.function is not None:
-        try:  # cheap (a Python import) and here the only message: actors would each fail with it
-            load_reward_function(cfg.actor.verifier.function)
-        except RewardFunctionError as e:
-            print(f"exgrpo-async: {e}", file=sys.stderr)
-            return 2
+    if not reward_function_loads(cfg):
+        return 2
     cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
     if gpu_plan is not None:

@@ -33,6 +33,18 @@ def test_a_bad_reward_function_stops_train_at_start(tmp_path, spec, message):
     assert not out.exists()  # nothing started: no run folder, no toy policy built
 
 
+@pytest.mark.parametrize("cmd", [["learner"], ["eval", "--model", "m", "--data", "d.jsonl"]])
+def test_a_bad_reward_function_stops_learner_and_eval_at_start(tmp_path, cmd):
+    """The learner hands the function to its actors, and eval scores with it: both refuse a bad one at
+    once, with the same message as train and no traceback."""
+    proc = subprocess.run(cli([*cmd, "actor.verifier.function=tests.reward_fns:nope", f"output_dir={tmp_path}"]),
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "actor.verifier.function = 'tests.reward_fns:nope': module 'tests.reward_fns'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir())  # no run folder
+
+
 @pytest.mark.slow
 def test_train_takes_its_rewards_from_the_custom_function(small, tmp_path):
     out, probe = tmp_path / "runs", tmp_path / "rewards.jsonl"
