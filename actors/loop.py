@@ -335,7 +335,7 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
     actor_id = welcome["actor_id"]
     ws = weight_group(sock, engine.tp, cfg.transport.request_timeout_s)
     engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"], ws["timeout_s"])
-    engine.policy_version = -1  # nothing counts until the first broadcast has arrived
+    engine.policy_version, engine.fingerprint = -1, None  # nothing counts until the first broadcast has arrived
     if metrics is not None:
         metrics.version.set(-1)
     tokenizer = engine.llm.get_tokenizer()

@@ -104,7 +104,7 @@ class StreamActor:
         ws = await self._io(weight_group, sock, self.engine.tp, self.cfg.transport.request_timeout_s)
         await self.engine.init_weight_sync(ws["host"], ws["port"], ws["prefix"], ws["world_size"], ws["backend"],
                                            ws["timeout_s"])
-        self.engine.policy_version = -1  # nothing counts until the first broadcast has arrived
+        self.engine.policy_version, self.engine.fingerprint = -1, None  # nothing counts until the first broadcast
         if self.metrics is not None:
             self.metrics.version.set(-1)
         self.weights_ready.set()
