@@ -11,11 +11,14 @@ does the next event of the cycle
 and every `--sample` seconds records the resident memory (RSS) of the learner and of each actor (an
 actor with its in-process vLLM engine) and the steps done. At the end it reports steps/min, the
 learner's RSS slope after warm-up (least squares over the samples after the first `--warmup`
-minutes; target under 1 MB/min), the actors' RSS range, the events done, and from summary.json the
+minutes; target under 1 MB/min) and the slopes of its per-`--window` peak, median and floor (a leak
+raises every window's peak; an allocator that keeps freed pages raises the floor up to the peak and
+no further), the actors' RSS range, the events done, and from summary.json the
 question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
 
     .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
     .venv/bin/python ops/bench/soak.py --minutes 3 --every 30 --warmup 1     # the CI version (tests/)
+    .venv/bin/python ops/bench/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ def slope_mb_per_min(samples: list[dict], warmup_s: float) -> float | None:
     return float(np.polyfit(t / 60.0, mb, 1)[0])
 
 
+def window_slopes(samples: list[dict], warmup_s: float, window_s: float) -> dict:
+    """The learner's RSS in whole `window_s` windows after warm-up: each window's peak, median and floor
+    (MB), and the least-squares slope of each series over the windows' midpoints (MB/min; None with
+    fewer than 3 windows)."""
+    pts = [(s["t"], s["learner_mb"]) for s in samples if s["t"] >= warmup_s and s["learner_mb"] is not None]
+    if not pts:
+        return {"slopes": {"peak": None, "median": None, "floor": None}, "windows_mb": {}}
+    t, mb = np.array(pts).T
+    whole = int((t.max() - warmup_s) // window_s)  # the last, partial window is left out
+    idx = ((t - warmup_s) // window_s).astype(int)
+    wins = [i for i in range(whole) if (idx == i).sum() >= 2]
+    mid = np.array([warmup_s + (i + 0.5) * window_s for i in wins]) / 60.0
+    out: dict = {"slopes": {}, "windows_mb": {}}
+    for name, f in (("peak", np.max), ("median", np.median), ("floor", np.min)):
+        series = [float(f(mb[idx == i])) for i in wins]
+        out["windows_mb"][name] = [round(v, 1) for v in series]
+        out["slopes"][name] = float(np.polyfit(mid, series, 1)[0]) if len(wins) >= 3 else None
+    return out
+
+
 class Schedule:
     """The event cycle; an event that cannot happen now (no actor to kill, none added) is skipped."""
 
@@ -116,13 +139,22 @@ class Schedule:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--minutes", type=float, help="how long to train (required unless --from)")
     ap.add_argument("--every", type=float, default=60.0, help="seconds between events")
     ap.add_argument("--freeze", type=float, default=15.0, help="seconds an actor stays frozen")
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between memory samples")
     ap.add_argument("--warmup", type=float, default=5.0, help="minutes left out of the RSS slope")
+    ap.add_argument("--window", type=float, default=5.0, help="minutes per window of the peak/median/floor slopes")
     ap.add_argument("--out", default="bench_out/soak")
+    ap.add_argument("--from", dest="source", help="a soak.json: print its figures again from its samples, run nothing")
     a, extra = ap.parse_known_args()
+    if a.source:
+        res = json.loads(Path(a.source).read_text())
+        a.minutes = res["minutes"]
+        print_table(a, {**res, **memory_figures(a, res["samples"])})
+        return
+    if a.minutes is None:
+        ap.error("--minutes is required")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     restarts = int(a.minutes * 60 / a.every) + 3
@@ -170,9 +202,7 @@ def report(a, out: Path, returncode: int, samples: list[dict], events: list[dict
     res = {
         "minutes": a.minutes, "returncode": returncode, "steps": len(rows),
         "steps_per_min": len(rows) / max(1e-9, summary.get("rl_seconds", a.minutes * 60) / 60),
-        "learner_rss_slope_mb_per_min": slope_mb_per_min(samples, a.warmup * 60),
-        "learner_rss_mb_first_last": [next((s["learner_mb"] for s in samples if s["learner_mb"]), None),
-                                      next((s["learner_mb"] for s in reversed(samples) if s["learner_mb"]), None)],
+        **memory_figures(a, samples),
         "actor_rss_mb_min_max": [min(actor_mb, default=None), max(actor_mb, default=None)],
         "events": {k: sum(e["event"] == k for e in events) for k in CYCLE},
         "restarts": log_text.count("restarting it"),
@@ -183,11 +213,26 @@ def report(a, out: Path, returncode: int, samples: list[dict], events: list[dict
         "samples": samples, "event_log": events,
     }
     (out / "soak.json").write_text(json.dumps(res, indent=2))
-    print(f"| soak {a.minutes:g} min | value |\n|---|---|")
-    for k, v in res.items():
-        if k not in ("samples", "event_log"):
-            print(f"| {k} | {v if not isinstance(v, float) else round(v, 3)} |")
+    print_table(a, res)
     print(f"wrote {out / 'soak.json'}")
+
+
+def memory_figures(a, samples: list[dict]) -> dict:
+    windows = window_slopes(samples, a.warmup * 60, a.window * 60)
+    return {"learner_rss_slope_mb_per_min": slope_mb_per_min(samples, a.warmup * 60),
+            "learner_rss_window_slopes_mb_per_min": windows["slopes"], "learner_rss_windows_mb": windows["windows_mb"],
+            "learner_rss_mb_first_last": [next((s["learner_mb"] for s in samples if s["learner_mb"]), None),
+                                          next((s["learner_mb"] for s in reversed(samples) if s["learner_mb"]), None)]}
+
+
+def print_table(a, res: dict) -> None:
+    print(f"| soak {a.minutes:g} min (warm-up {a.warmup:g} min, windows of {a.window:g} min) | value |\n|---|---|")
+    for k, v in res.items():
+        if k in ("samples", "event_log"):
+            continue
+        if isinstance(v, dict) and k != "events":
+            v = {n: (round(x, 3) if isinstance(x, float) else x) for n, x in v.items()}
+        print(f"| {k} | {round(v, 3) if isinstance(v, float) else v} |")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,18 @@
 """ops/bench/pipeline.py's overlap bound: no run of an invocation can pass it, and one that does (a broken
 measurement) is reported as INVALID with exit status 3, not as a target met. Synthetic metrics rows."""
 
-import importlib.util
 import json
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", REPO / "ops/bench/pipeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("pipeline")
 
 
 def _row(rng: random.Random, gen_fast: float, train_fast: float, overhead: float, sync: bool) -> dict:

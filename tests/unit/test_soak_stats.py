@@ -1,0 +1,43 @@
+"""ops/bench/soak.py's memory figures: a leak raises every window's peak; an RSS that swings between a
+floor and a fixed ceiling does not, however its samples fall. Synthetic samples."""
+
+import pytest
+
+from tests.bench import load_bench
+
+
+@pytest.fixture(scope="module")
+def soak():
+    return load_bench("soak")
+
+
+def _samples(mb_at) -> list[dict]:
+    return [{"t": float(t), "steps": t // 2, "learner_mb": mb_at(t), "actors_mb": []} for t in range(0, 3600, 5)]
+
+
+def test_a_leak_raises_the_peak_slope(soak):
+    leak = _samples(lambda t: 800 + 2.0 * t / 60 + (40 if (t // 5) % 3 == 0 else 0))  # 2 MB/min under the swing
+    out = soak.window_slopes(leak, 300, 300)
+    assert out["slopes"]["peak"] == pytest.approx(2.0, abs=0.05)
+    assert out["slopes"]["floor"] == pytest.approx(2.0, abs=0.05)
+    assert len(out["windows_mb"]["peak"]) == 10  # 5 to 55 min; the last window, not over when sampling ends, is left out
+
+
+def test_a_floor_settling_under_a_fixed_ceiling_is_not_a_leak(soak):
+    # the ceiling is 900 MB throughout; the floor climbs from 700 to 840 MB by 30 min and stays there, and
+    # the samples sit at the ceiling more often later: the least-squares slope over samples is well
+    # above 1 MB/min, the peak's is 0
+    def mb(t: int) -> float:
+        high = (t // 5) % (4 if t < 1800 else 2) == 0
+        return 900.0 if high else min(840.0, 700.0 + 140.0 * t / 1800)
+    samples = _samples(mb)
+    assert soak.slope_mb_per_min(samples, 300) > 1.0
+    out = soak.window_slopes(samples, 300, 300)
+    assert out["slopes"]["peak"] == pytest.approx(0.0, abs=1e-9)
+    assert out["slopes"]["floor"] > 1.0
+
+
+def test_too_few_windows_give_no_slope(soak):
+    out = soak.window_slopes(_samples(lambda t: 800.0)[:100], 300, 300)  # 500 s: one whole window after warm-up
+    assert out["slopes"] == {"peak": None, "median": None, "floor": None}
+    assert soak.window_slopes([], 300, 300)["slopes"]["peak"] is None
