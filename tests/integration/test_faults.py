@@ -9,8 +9,9 @@ and the fault must show in the counters that watch it.
   launcher starts a replacement), a NaN loss, junk on the learner's socket and an actor that joins
   while training runs (elastic membership), in one run;
 - actors that keep dying: once `actor.max_restarts` is used up the launcher stops the run, exit 1;
-- an actor frozen with SIGSTOP past `transport.actor_timeout_s`: presumed dead, its work re-issued;
-  after SIGCONT it is told to rejoin, and does;
+- an actor frozen with SIGSTOP for less than `transport.actor_timeout_s`: the groups it held arrive too
+  stale, are dropped and their questions re-issued; then frozen past the timeout: presumed dead, its
+  work re-issued; after SIGCONT it is told to rejoin, and does;
 - the learner killed with SIGKILL and restarted with --resume on the same address: the actors rejoin
   by themselves and the run finishes from the checkpoint.
 """
@@ -178,9 +179,27 @@ def test_launcher_gives_up_once_actor_restarts_are_used_up(small, tmp_path):
     assert not [p for p in descendants if alive(p)], "processes outlived the run"
 
 
+def short_freezes_until_a_stale_drop(pid: int, log_path: Path, proc: subprocess.Popen, tries: int = 4) -> int:
+    """Freeze the actor for 6 s, shorter than `transport.actor_timeout_s`: it is not presumed dead, and the
+    groups it held arrive after the other actor has fed the learner more than eta=1 versions on, so they
+    are dropped as too stale and their questions re-issued. Again if the actor held no work when frozen
+    (between requests, or loading weights). Returns the groups the learner said it dropped."""
+    for _ in range(tries):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(6)
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = [x for x in log_path.read_text().splitlines() if "staler than eta=1" in x]
+            if lines:
+                return sum(int(x.split("dropped ")[1].split()[0]) for x in lines)
+            time.sleep(0.5)
+    raise AssertionError(f"no group was dropped as too stale after {tries} short freezes\n" + log_excerpt(log_path))
+
+
 @pytest.mark.parametrize("world", [1, 2], ids=["learner1", "learner2"])
 def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
-    out, steps = tmp_path / "runs", 40  # long enough to outlast the freeze, the detection and the rejoin
+    out, steps = tmp_path / "runs", 60  # long enough to outlast the freezes, the detection and the rejoin
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, f"learner.max_steps={steps}", "actor.num_actors=2",
                                  f"learner.world_size={world}", f"output_dir={out}"]),
@@ -189,6 +208,8 @@ def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
         run_dir = wait_for(lambda: next(iter(out.glob("run-*")), None), 300, "the run folder", proc)
         wait_for(lambda: len(rows_of(run_dir)) >= 1, 300, "the first step", proc)
         frozen = actor_pids(proc.pid)[0]
+        drops = short_freezes_until_a_stale_drop(frozen, tmp_path / "train.log", proc)
+        assert "presumed dead" not in (tmp_path / "train.log").read_text()
         os.kill(frozen, signal.SIGSTOP)
         wait_for(lambda: "presumed dead" in (tmp_path / "train.log").read_text(), 60, "the learner to give up on it", proc)
         os.kill(frozen, signal.SIGCONT)
@@ -196,7 +217,8 @@ def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
         assert proc.returncode == 0, log_excerpt(tmp_path / "train.log")
     finally:
         kill_tree(proc)
-    summary = check_books(run_dir, steps)
+    summary = check_books(run_dir, steps)  # the stale groups' questions were re-issued and trained
+    assert summary["stale_dropped"] >= drops >= 1
     assert summary["actors_lost"] >= 1
     assert summary["actors_joined"] >= 3  # two at the start, the frozen one again after SIGCONT
     assert summary["rejoin_requests"] >= 1
