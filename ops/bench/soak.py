@@ -63,11 +63,16 @@ def rss_mb(p: psutil.Process) -> float | None:
     return rss / 2**20 if rss else None
 
 
-def slope_mb_per_min(samples: list[dict], warmup_s: float) -> float | None:
+def learner_points(samples: list[dict], warmup_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, learner MB) of the samples after warm-up that caught the learner."""
     pts = [(s["t"], s["learner_mb"]) for s in samples if s["t"] >= warmup_s and s["learner_mb"] is not None]
-    if len(pts) < 3:
+    return np.array(pts, dtype=float).reshape(-1, 2).T
+
+
+def slope_mb_per_min(samples: list[dict], warmup_s: float) -> float | None:
+    t, mb = learner_points(samples, warmup_s)
+    if len(t) < 3:
         return None
-    t, mb = np.array(pts).T
     return float(np.polyfit(t / 60.0, mb, 1)[0])
 
 
@@ -75,11 +80,8 @@ def window_slopes(samples: list[dict], warmup_s: float, window_s: float) -> dict
     """The learner's RSS in whole `window_s` windows after warm-up: each window's peak, median and floor
     (MB), and the least-squares slope of each series over the windows' midpoints (MB/min; None with
     fewer than 3 windows)."""
-    pts = [(s["t"], s["learner_mb"]) for s in samples if s["t"] >= warmup_s and s["learner_mb"] is not None]
-    if not pts:
-        return {"slopes": {"peak": None, "median": None, "floor": None}, "windows_mb": {}}
-    t, mb = np.array(pts).T
-    whole = int((t.max() - warmup_s) // window_s)  # the last, partial window is left out
+    t, mb = learner_points(samples, warmup_s)
+    whole = int((t.max() - warmup_s) // window_s) if len(t) else 0  # the last, partial window is left out
     idx = ((t - warmup_s) // window_s).astype(int)
     wins = [i for i in range(whole) if (idx == i).sum() >= 2]
     mid = np.array([warmup_s + (i + 0.5) * window_s for i in wins]) / 60.0
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--from", dest="source", help="a soak.json: print its figures again from its samples, run nothing")
     a, extra = ap.parse_known_args()
     if a.source:
+        if extra:
+            ap.error(f"--from re-reads a finished run; these would be ignored: {' '.join(extra)}")
         res = json.loads(Path(a.source).read_text())
         a.minutes = res["minutes"]
         print_table(a, {**res, **memory_figures(a, res["samples"])})
