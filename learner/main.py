@@ -18,27 +18,35 @@ from exgrpo_async.layout import standalone_threads
 
 
 def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
-    from learner.ranks import Ranks
+    from learner.ranks import Ranks, end_rank_process
 
     L = cfg.learner
     torch.set_num_threads(standalone_threads(cfg))
     ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
     try:
-        if ranks.lead:
-            cfg = resolve_toy(cfg)  # builds the toy policy once, before the other ranks read it
-        if ranks.world > 1:
-            dist.barrier()
-        if not ranks.lead:
-            return _follow(resolve_toy(cfg), ranks)
-        out = Path(run_dir) if run_dir else new_run_dir(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.model_dump_json(indent=2))
-        from learner.train import run
-
-        run(cfg, out, ranks, resume=resume)
-        return 0
+        rc = _run_rank(cfg, run_dir, resume, ranks)
     finally:
         ranks.close()
+    if ranks.world > 1:
+        end_rank_process(rc)  # a clean exit that a gloo worker thread cannot abort
+    return rc
+
+
+def _run_rank(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
+    """Rank 0's run, or a follower's life (every rank but 0)."""
+    if ranks.lead:
+        cfg = resolve_toy(cfg)  # builds the toy policy once, before the other ranks read it
+    if ranks.world > 1:
+        dist.barrier()
+    if not ranks.lead:
+        return _follow(resolve_toy(cfg), ranks)
+    out = Path(run_dir) if run_dir else new_run_dir(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.model_dump_json(indent=2))
+    from learner.train import run
+
+    run(cfg, out, ranks, resume=resume)
+    return 0
 
 
 def _follow(cfg: RunConfig, ranks) -> int:

@@ -22,7 +22,7 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import load_checkpoint, read_training_state, save_checkpoint
 from learner.policy import Policy
-from learner.ranks import Ranks, split_by_tokens
+from learner.ranks import Ranks, end_rank_process, split_by_tokens
 from learner.update import Seq, StepSettings
 from tests.conftest import build_tiny_policy
 
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, model: Path, out: Path, port: int, resume: str 
     if not ranks.lead:
         policy.follow()
         ranks.close()
-        return
+        end_rank_process(0)
     result: dict = {"steps": []}
     initial = {n: w.clone() for n, w in policy.full_state(optimizer=False)[0].items()}
     if resume:
@@ -93,6 +93,8 @@ def _rank(rank: int, world: int, model: Path, out: Path, port: int, resume: str 
     policy.stop()
     ranks.close()
     torch.save(result, out)
+    if world > 1:
+        end_rank_process(0)  # as `exgrpo-async learner` does: no abort from a gloo worker at exit
 
 
 def _run(world: int, model: Path, out: Path, resume: str | None = None) -> dict:
