@@ -7,6 +7,7 @@ This script runs, one at a time on an otherwise idle machine:
   `--steps` steps per seed (`learner.seed`), a checkpoint every `--every` steps; each checkpoint's
   policy is scored by the harness's evaluator, its time being the run's step seconds summed up to it
   (training from the first step on: the actors' start-up and the before-evaluation left out);
+- exgrpo: the same with `exgrpo.enabled=true` (ExGRPO's experience replay on the demo's defaults);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -16,8 +17,8 @@ OUT/peer.json.
 
     .venv/bin/python ops/bench/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
         [--peer-py bench_out/peer-venv/bin/python] [--harness ../shared/tools/peer/trl_toy.py] [overrides...]
-    .venv/bin/python ops/bench/peer.py --systems ours --reuse bench_out/peer/peer.json --out bench_out/peer-exgrpo \
-        exgrpo.enabled=true        # ExGRPO against the same TRL runs
+    .venv/bin/python ops/bench/peer.py --systems ours,exgrpo --out bench_out/peer-exgrpo
+        # the demo (plain GRPO) against the demo with exgrpo.enabled=true, seeds interleaved
     .venv/bin/python ops/bench/peer.py --systems trl --trl-seconds 160 --reuse bench_out/peer/peer.json \
         --out bench_out/peer-trl160   # TRL on a wall-clock budget against the same runs of ours
 """
@@ -66,25 +67,26 @@ def evaluate(a, cache: Path, model: Path, log: Path) -> dict:
     return json.loads(log.read_text().strip().splitlines()[-1])
 
 
-def ours(a, cache: Path, seed: int, extra: list[str]) -> list[dict]:
+def ours(a, cache: Path, seed: int, extra: list[str], name: str = "ours") -> list[dict]:
     """Accuracy of each checkpoint of one seed's run against its training seconds."""
-    out = Path(a.out) / f"ours-s{seed}"
+    out = Path(a.out) / f"{name}-s{seed}"
     shutil.rmtree(out, ignore_errors=True)
     sh([sys.executable, "-m", "exgrpo_async.cli", "train", f"toy.cache_dir={cache}", f"output_dir={out}",
         f"learner.max_steps={a.steps}", f"learner.seed={seed}", f"learner.checkpoint_every={a.every}",
-        f"learner.keep_checkpoints={a.steps // a.every + 1}", "metrics.port=none", *extra], Path(a.out) / f"ours-s{seed}.log")
+        f"learner.keep_checkpoints={a.steps // a.every + 1}", "metrics.port=none", *extra], Path(a.out) / f"{name}-s{seed}.log")
     (run,) = out.glob("run-*")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
     seconds = {r["step"]: s for r, s in zip(rows, _cumsum([r["step_seconds"] for r in rows]))}
     points = []
     for ck in sorted(run.glob("checkpoints/step-*"), key=lambda p: int(p.name.split("-")[1])):
         step = int(ck.name.split("-")[1])
-        ev = evaluate(a, cache, ck / "model", Path(a.out) / f"ours-s{seed}-eval{step}.log")
+        ev = evaluate(a, cache, ck / "model", Path(a.out) / f"{name}-s{seed}-eval{step}.log")
         points.append({"step": step, "seconds": seconds[step], "accuracy": ev["accuracy"],
                        "greedy_accuracy": ev["greedy_accuracy"]})
     summary = json.loads((run / "summary.json").read_text())
     points[-1]["rl_seconds"] = summary["rl_seconds"]
     points[-1]["balance"] = {k: summary.get(k) for k in ("learner_idle_median", "actor_idle_median")}
+    points[-1]["tokens_generated"] = summary["tokens_generated"]
     return points
 
 
@@ -108,25 +110,27 @@ def _cumsum(xs: list[float]) -> list[float]:
 
 def table(res: dict) -> str:
     med = statistics.median
-    lines = ["| system | step | train s (median) | avg@8 median [min, max] | greedy median [min, max] |",
-             "|---|---|---|---|---|"]
+    lines = ["| system | step | train s (median) | avg@8 median [min, max] | greedy median [min, max] | "
+             "tokens generated (median) |", "|---|---|---|---|---|---|"]
     for name, runs in res.items():
         for i in range(len(runs[0])):
             pts = [r[i] for r in runs]
             acc, gr = [p["accuracy"] for p in pts], [p["greedy_accuracy"] for p in pts]
+            tokens = [p["tokens_generated"] for p in pts if "tokens_generated" in p]
             lines.append(f"| {name} | {pts[0]['step']} | {med(p['seconds'] for p in pts):.1f} | "
-                         f"{med(acc):.3f} [{min(acc):.3f}, {max(acc):.3f}] | {med(gr):.3f} [{min(gr):.3f}, {max(gr):.3f}] |")
+                         f"{med(acc):.3f} [{min(acc):.3f}, {max(acc):.3f}] | {med(gr):.3f} [{min(gr):.3f}, {max(gr):.3f}] | "
+                         f"{med(tokens) if tokens else ''} |")
     return "\n".join(lines)
 
 
-def time_to(res: dict) -> dict | None:
-    """Our median time to TRL's median final avg@8, over TRL's median time."""
-    if "trl" not in res or "ours" not in res:
+def time_to(res: dict, name: str = "ours") -> dict | None:
+    """Our median time (arm `name`) to TRL's median final avg@8, over TRL's median time."""
+    if "trl" not in res or name not in res:
         return None
     med = statistics.median
     target, trl_s = med(r[-1]["accuracy"] for r in res["trl"]), med(r[-1]["seconds"] for r in res["trl"])
-    for i in range(len(res["ours"][0])):
-        pts = [r[i] for r in res["ours"]]
+    for i in range(len(res[name][0])):
+        pts = [r[i] for r in res[name]]
         if med(p["accuracy"] for p in pts) >= target:
             s = med(p["seconds"] for p in pts)
             return {"target_avg8": target, "trl_seconds": trl_s, "ours_step": pts[0]["step"], "ours_seconds": s,
@@ -158,13 +162,20 @@ def main() -> None:
     if a.reuse:
         earlier = json.loads(Path(a.reuse).read_text())["runs"]
         res.update({k: v for k, v in earlier.items() if k not in a.systems.split(",")})
-    for system in a.systems.split(","):
-        for seed in seeds:
-            pts = ours(a, cache, seed, extra) if system == "ours" else [trl(a, cache, seed)]
+    systems = a.systems.split(",")
+    unknown = set(systems) - {"ours", "exgrpo", "trl"}
+    if unknown:
+        raise SystemExit(f"unknown --systems {sorted(unknown)}: choose from ours, exgrpo, trl")
+    for seed in seeds:  # seeds outermost: the systems share the machine's drift over the invocation
+        for system in systems:
+            if system == "trl":
+                pts = [trl(a, cache, seed)]
+            else:
+                pts = ours(a, cache, seed, extra + (["exgrpo.enabled=true"] if system == "exgrpo" else []), system)
             res.setdefault(system, []).append(pts)
             print(system, seed, json.dumps(pts[-1]), flush=True)
     print(table(res))
-    tt = time_to(res)
+    tt = {name: time_to(res, name) for name in ("ours", "exgrpo") if name in res}
     print("time to TRL's final accuracy:", json.dumps(tt))
     (out / "peer.json").write_text(json.dumps({"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
                                                "time_to_trl": tt}, indent=1))
