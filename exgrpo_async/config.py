@@ -35,10 +35,12 @@ class ModelConfig(_Strict):
     path: str = "toy"
     """Hugging Face model folder (local path or hub id), or "toy" for the built-in tiny policy the CPU
     demo builds and caches (see `toy`)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype of the actors (vLLM), of the weights they are sent and of the exported final model.
     The learner always keeps fp32 master weights and optimizer state (`learner.mixed_precision` sets
-    its compute dtype). fp32 on CPU; bf16 on GPU."""
+    its compute dtype). "auto": bfloat16 where this machine computes bf16 fast (a GPU with bf16; a CPU
+    with native bf16 that a short probe finds faster), else float32, chosen with
+    `learner.mixed_precision="auto"` at launch and recorded in config.json (exgrpo_async/precision.py)."""
     max_model_len: int = Field(256, gt=0)
     """Longest prompt + response, in tokens, that vLLM must support."""
 
@@ -230,10 +232,11 @@ class LearnerConfig(_Strict):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (transformers' gradient checkpointing, non-reentrant): activation memory per layer boundary only."""
-    mixed_precision: Literal["none", "bf16"] = "none"
+    mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     """Compute dtype of the learner's forward passes: "bf16" runs them under bf16 autocast while the
     master weights, gradients and AdamW state stay fp32 (the authors' set-up); "none" computes in fp32.
-    Log-probs and entropies are always reduced in fp32."""
+    Log-probs and entropies are always reduced in fp32. "auto": "bf16" where this machine computes bf16
+    fast, else "none", decided with `model.dtype="auto"` (exgrpo_async/precision.py)."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(200, gt=0)

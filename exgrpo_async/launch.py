@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from exgrpo_async import precision
 from exgrpo_async.config import RunConfig
 from exgrpo_async.custom_reward import RewardFunctionError, load_reward_function
 from exgrpo_async.layout import balance, resolve
@@ -121,8 +122,10 @@ def node_gpus(cfg: RunConfig) -> int:
 
 
 def machine_layout(cfg: RunConfig) -> RunConfig:
-    """`cfg` with the layout left unset chosen from this machine's cores and GPUs (layout.py)."""
-    return resolve(cfg, len(os.sched_getaffinity(0)), node_gpus(cfg))
+    """`cfg` with the layout left unset chosen from this machine's cores and GPUs (layout.py), and its
+    "auto" precision from how fast this machine computes bf16 (precision.py)."""
+    gpus = node_gpus(cfg)
+    return precision.resolve(resolve(cfg, len(os.sched_getaffinity(0)), gpus), gpus)
 
 
 def dry_run(cfg: RunConfig) -> int:

@@ -26,10 +26,12 @@ LEVEL_ENV = "EXGRPO_LOG_LEVEL"
 LEVELS = ("debug", "info", "warning", "error")
 # Substrings of vLLM's warnings (and Python warnings raised in vLLM's code) that are expected on this
 # project's set-up: the CPU backend's thread binding, the preload and Triton hints, the eager mode we
-# choose, the seed we set, deprecations inside vLLM.
+# choose, the seed we set, deprecations inside vLLM, a float32 checkpoint read into the bf16 engine that
+# `model.dtype` asked for (one line per weight).
 VLLM_NOISE = ("`torch.set_num_threads` after the thread binding", "is not found in LD_PRELOAD", "Triton",
               "triton-cpu", "Reset SSM cache type", "Model Runner V2", "Inductor compilation was disabled",
-              "Enforce eager set", "The global random seed is set to", "torch.distributed.reduce_op")
+              "Enforce eager set", "The global random seed is set to", "torch.distributed.reduce_op",
+              "with dtype torch.float32 into parameter with dtype torch.bfloat16")
 
 
 class DropVllmNoise(logging.Filter):

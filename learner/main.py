@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from exgrpo_async import precision
 from exgrpo_async.config import RunConfig
 from exgrpo_async.launch import new_run_dir, resolve_toy
 from exgrpo_async.layout import standalone_threads
@@ -24,12 +25,27 @@ def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
     torch.set_num_threads(standalone_threads(cfg))
     ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
     try:
+        cfg = _resolve_precision(cfg, ranks)
         rc = _run_rank(cfg, run_dir, resume, ranks)
     finally:
         ranks.close()
     if ranks.world > 1:
         end_rank_process(rc)  # a clean exit that a gloo worker thread cannot abort
     return rc
+
+
+def _resolve_precision(cfg: RunConfig, ranks) -> RunConfig:
+    """"auto" precision (a standalone learner; `train` resolves it at launch): rank 0 decides from this
+    machine, the other ranks take its decision, so every rank computes in the same dtype."""
+    if not precision.needs_resolving(cfg):
+        return cfg
+    from learner.model import pick_device
+
+    gpus = int(pick_device(cfg.learner.device).type == "cuda")
+    bf16 = torch.tensor([int(ranks.lead and precision.bf16_is_fast(gpus))], device=ranks.device)
+    if ranks.world > 1:
+        dist.broadcast(bf16, src=0)
+    return precision.apply(cfg, bool(bf16.item()))
 
 
 def _run_rank(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:

@@ -63,6 +63,7 @@ def main() -> None:
         "arrival order, 64/micro, one chunk": (arrival, 64, None, False, None),
         "shortest first, 64/micro, one chunk (now)": (shortest_first, 64, None, False, None),
         "shortest first, 32/micro, one chunk": (shortest_first, 32, None, False, None),
+        "shortest first, 16/micro, one chunk": (shortest_first, 16, None, False, None),
         "packed rows of 2048 tokens, one chunk": (arrival, a.seqs, None, False, 2048),
         "shortest first, 64/micro, one chunk, bf16 autocast": (shortest_first, 64, None, True, None),
     }

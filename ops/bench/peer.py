@@ -8,6 +8,8 @@ This script runs, one at a time on an otherwise idle machine:
   policy is scored by the harness's evaluator, its time being the run's step seconds summed up to it
   (training from the first step on: the actors' start-up and the before-evaluation left out);
 - exgrpo: the same with `exgrpo.enabled=true` (ExGRPO's experience replay on the demo's defaults);
+- fp32: the same with the precision pinned to fp32 (`model.dtype=float32 learner.mixed_precision=none`;
+  the defaults choose bf16 where the machine computes it fast, exgrpo_async/precision.py);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -100,6 +102,11 @@ def trl(a, cache: Path, seed: int) -> dict:
             "greedy_accuracy": r["after"]["greedy_accuracy"], "before": r["before"]}
 
 
+# Our arms: the demo on its embedded defaults, with ExGRPO on, and with the precision pinned to fp32
+# (actors and learner; the defaults choose bf16 where this machine computes it fast).
+ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"]}
+
+
 def _cumsum(xs: list[float]) -> list[float]:
     out, t = [], 0.0
     for x in xs:
@@ -163,19 +170,19 @@ def main() -> None:
         earlier = json.loads(Path(a.reuse).read_text())["runs"]
         res.update({k: v for k, v in earlier.items() if k not in a.systems.split(",")})
     systems = a.systems.split(",")
-    unknown = set(systems) - {"ours", "exgrpo", "trl"}
+    unknown = set(systems) - {"ours", "exgrpo", "fp32", "trl"}
     if unknown:
-        raise SystemExit(f"unknown --systems {sorted(unknown)}: choose from ours, exgrpo, trl")
+        raise SystemExit(f"unknown --systems {sorted(unknown)}: choose from ours, exgrpo, fp32, trl")
     for seed in seeds:  # seeds outermost: the systems share the machine's drift over the invocation
         for system in systems:
             if system == "trl":
                 pts = [trl(a, cache, seed)]
             else:
-                pts = ours(a, cache, seed, extra + (["exgrpo.enabled=true"] if system == "exgrpo" else []), system)
+                pts = ours(a, cache, seed, extra + ARMS[system], system)
             res.setdefault(system, []).append(pts)
             print(system, seed, json.dumps(pts[-1]), flush=True)
     print(table(res))
-    tt = {name: time_to(res, name) for name in ("ours", "exgrpo") if name in res}
+    tt = {name: time_to(res, name) for name in ARMS if name in res}
     print("time to TRL's final accuracy:", json.dumps(tt))
     (out / "peer.json").write_text(json.dumps({"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
                                                "time_to_trl": tt}, indent=1))
