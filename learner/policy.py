@@ -60,6 +60,9 @@ def shard(model: torch.nn.Module, mixed_precision: str) -> LogProbs:
 class Policy:
     def __init__(self, cfg: RunConfig, ranks: Ranks, device: torch.device):
         L = cfg.learner
+        if "auto" in (cfg.model.dtype, L.mixed_precision):
+            raise ValueError('model.dtype / learner.mixed_precision "auto" reached the learner unresolved: '
+                             "exgrpo_async.precision.resolve chooses them for the machine first")
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)  # fp32 master weights
         if L.gradient_checkpointing:

@@ -33,7 +33,7 @@ def rank_main(model: str, plain_exit: bool) -> int:
     from learner.update import Seq, StepSettings
 
     cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = model, "float32"
+    cfg.model.path, cfg.model.dtype, cfg.learner.mixed_precision = model, "float32", "none"
     cfg.learner.world_size, cfg.learner.device, cfg.learner.micro_batch_sequences = 2, "cpu", 3
     torch.set_num_threads(1)
     ranks = Ranks.from_env(2, "cpu", 60.0)

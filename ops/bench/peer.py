@@ -89,6 +89,8 @@ def ours(a, cache: Path, seed: int, extra: list[str], name: str = "ours") -> lis
     points[-1]["rl_seconds"] = summary["rl_seconds"]
     points[-1]["balance"] = {k: summary.get(k) for k in ("learner_idle_median", "actor_idle_median")}
     points[-1]["tokens_generated"] = summary["tokens_generated"]
+    resolved = json.loads((run / "config.json").read_text())  # what "auto" chose on this run
+    points[-1]["precision"] = [resolved["model"]["dtype"], resolved["learner"]["mixed_precision"]]
     return points
 
 

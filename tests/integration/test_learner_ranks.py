@@ -49,7 +49,7 @@ def _seqs(seed: int) -> list[Seq]:
 
 def _cfg(model: Path, world: int) -> RunConfig:
     cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = str(model), "float32"
+    cfg.model.path, cfg.model.dtype, cfg.learner.mixed_precision = str(model), "float32", "none"
     cfg.rollout.max_new_tokens = L_MAX
     L = cfg.learner
     L.world_size, L.device, L.lr, L.minibatches_per_step, L.micro_batch_sequences = world, "cpu", LR, 2, 3
