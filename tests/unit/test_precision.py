@@ -42,3 +42,21 @@ def test_the_probe_decides_on_a_native_cpu(monkeypatch):
         monkeypatch.setattr(precision, "probe_bf16_ratio", lambda r=ratio: r)
         assert precision.bf16_is_fast(0) is want
 
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_standalone_learner_resolves_auto_before_it_builds_anything(monkeypatch, fast):
+    from learner.main import _resolve_precision
+    from learner.ranks import Ranks
+
+    monkeypatch.setattr(precision, "bf16_is_fast", lambda gpus: fast)
+    got = _resolve_precision(load_config(None, ["learner.device=cpu"]), Ranks())
+    assert (got.model.dtype, got.learner.mixed_precision) == (("bfloat16", "bf16") if fast else ("float32", "none"))
+
+
+def test_the_learner_refuses_an_unresolved_auto(tmp_path):
+    from learner.policy import Policy
+    from learner.ranks import Ranks
+
+    with pytest.raises(ValueError, match="unresolved"):
+        Policy(load_config(None), Ranks(), __import__("torch").device("cpu"))
