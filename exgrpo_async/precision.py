@@ -6,8 +6,8 @@ and AdamW state are fp32 either way, and log-probs and entropies are reduced in 
 - GPU: bf16 when the device supports it (every GPU the recipes target does).
 - CPU: bf16 when the CPU has native bf16 dot products (avx512_bf16 or AMX on x86, the bf16 feature on
   Arm) and a short probe on this machine, a linear layer's forward and backward in both dtypes, finds
-  bf16 at most `PROBE_RATIO` of fp32's time. Emulated bf16 is several times slower than fp32, and
-  native support alone has not always been faster (docs/benchmarks.md, "bf16 on CPU").
+  bf16 at most `PROBE_RATIO` of fp32's time. Without native support bf16 is emulated; with it, bf16
+  has not been faster on every machine (docs/benchmarks.md, "bf16 where the machine computes it fast").
 `train` resolves it once at launch (config.json records the result); a standalone learner resolves it
 on rank 0 and hands the result to the other ranks.
 """
