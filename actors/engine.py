@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from exgrpo_async import precision
 from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.logs import log_format
 
@@ -65,8 +66,11 @@ def cpu_thread_binding(workers: int, cores: list[int] | None = None) -> str:
 
 def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int) -> dict:
     """Engine arguments shared by both engines."""
+    dtype = model_cfg.dtype
+    if dtype == "auto":  # a config no launcher resolved (`exgrpo-async eval`): our rule, not vLLM's own "auto"
+        dtype = "bfloat16" if precision.bf16_is_fast(0 if on_cpu else 1) else "float32"
     kwargs = dict(
-        model=model_path, dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
+        model=model_path, dtype=dtype, max_model_len=model_cfg.max_model_len,
         enforce_eager=cfg.enforce_eager, seed=seed, max_num_seqs=cfg.max_num_seqs,
         worker_extension_cls="actors.vllm_worker.WeightSyncExtension",
         # behaviour log-probs of the distribution tokens were drawn from (after temperature)

@@ -103,7 +103,7 @@ async def bench_model(size: str, repeats: int, concurrency: int, bucket_mb: int,
         proc.start()
         port = conn.recv()
         os.sched_setaffinity(0, {cores[0]})  # the engine core process inherits it
-        engine = AsyncVLLMEngine(tmp, ModelConfig(max_model_len=256),
+        engine = AsyncVLLMEngine(tmp, ModelConfig(dtype="float32", max_model_len=256),
                                  EngineConfig(kv_cache_mb=64, cpu_weight_reload=reload), on_cpu=True)
         loop = asyncio.get_running_loop()
         try:

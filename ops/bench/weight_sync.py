@@ -149,7 +149,7 @@ def bench_model(size: str, bucket_mb: int, reload: str) -> dict:
         proc = mp.get_context("spawn").Process(target=learner, args=(tmp, bucket_mb, child), daemon=True)
         proc.start()
         port = conn.recv()
-        engine = VLLMEngine(tmp, ModelConfig(max_model_len=256),
+        engine = VLLMEngine(tmp, ModelConfig(dtype="float32", max_model_len=256),
                             EngineConfig(kv_cache_mb=64, cpu_weight_reload=reload), on_cpu=True)
         try:
             conn.send("open")

@@ -62,7 +62,7 @@ def test_in_flight_updates(tiny_tied):
     prompts = SHORT + LONG
 
     async def scenario() -> None:
-        engine = AsyncVLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
+        engine = AsyncVLLMEngine(path, ModelConfig(dtype="float32", max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
         try:
             opener = threading.Thread(target=pub.open_group, args=("a", 2))
             opener.start()

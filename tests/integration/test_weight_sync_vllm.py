@@ -74,7 +74,7 @@ def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
     path = str(request.getfixturevalue(policy))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = VLLMEngine(path, ModelConfig(max_model_len=256),
+    engine = VLLMEngine(path, ModelConfig(dtype="float32", max_model_len=256),
                         EngineConfig(kv_cache_mb=32, cpu_weight_reload=reload, tensor_parallel_size=tp), on_cpu=True)
     assert engine.tp == tp  # the engine's real worker count: every worker joins the group
     pub = joined(engine)
@@ -128,7 +128,7 @@ def test_partial_broadcast_falls_back_to_layerwise(tiny_tied, request):
     path = str(tiny_tied)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = VLLMEngine(path, ModelConfig(max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
+    engine = VLLMEngine(path, ModelConfig(dtype="float32", max_model_len=256), EngineConfig(kv_cache_mb=32), on_cpu=True)
     pub = joined(engine)
     try:
         sent = [(n, p) for n, p in model.named_parameters() if ".mlp." not in n]  # no MLP weights at all
