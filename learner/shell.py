@@ -13,6 +13,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,10 +22,11 @@ from exgrpo_async.data import QuestionSampler, load_pool, render_prompt, set_cha
 from exgrpo_async.layout import CoreClock, idle_medians
 from exgrpo_async.logs import log_format
 from exgrpo_async.metrics import check_trackers
+from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
                                 unpack_ragged)
-from learner.dispatch import Dispatcher
+from learner.dispatch import Dispatcher, WorkItem
 from learner.experience import Experience
 from learner.inbox import Inbox, question_books, run_eval
 from learner.metrics import LearnerMetrics, TargetsFile
@@ -33,7 +35,8 @@ from learner.policy import Policy
 from learner.ranks import Ranks
 from learner.server import LearnerServer, actor_idle_share
 from learner.trackers import Trackers
-from learner.update import Batch
+from learner.overlap import Accumulator, WholeBatch
+from learner.update import Batch, StepSettings
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -63,6 +66,10 @@ class Shell:
                                      self.sampler.exclude, sampling_seed=L.seed if cfg.rollout.seeded else None,
                                      include_questions=self.sampler.include)
         self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed)
+        self.overlap = L.overlap_arrival and ranks.world == 1 and L.minibatches_per_step == 1
+        if L.overlap_arrival and not self.overlap:
+            log.info("learner.overlap_arrival: %s, so each step waits for its whole batch before the first forward",
+                     "several learner ranks" if ranks.world > 1 else "several mini-batches per step")
         self.totals = {"rollouts": 0, "tokens": 0, "stale_dropped": 0, "skipped_steps": 0, "verify_timeouts": 0,
                        "verify_errors": 0}
         self.version, self.opt_updates, self.first_sync_checked, self.start_step = 0, 0, False, 1
@@ -151,13 +158,21 @@ class Shell:
             self.prom.mark_progress()
 
     # ------------------------------------------------------------------ the loop's calls
-    def wait_for_batch(self, step: int) -> list:
-        """B training groups (in arrival order); groups staler than eta are dropped and re-issued."""
-        L, batch, dropped = self.cfg.learner, [], 0
-        while len(batch) < L.questions_per_step:
+    def begin_update(self, settings: StepSettings) -> Accumulator | WholeBatch:
+        """This step's update, to be fed the groups as they arrive (learner/overlap.py): micro-batches
+        computed while the batch fills where that gives the same gradient, else the whole batch at once."""
+        L = self.cfg.learner
+        if self.overlap:
+            return Accumulator(self.policy, settings, self.version, self.experience.mixed, L.questions_per_step)
+        return WholeBatch(self.policy, settings, self.version, self.experience.mixed, self.rng)
+
+    def wait_for_batch(self, step: int, take: Callable[[WorkItem, RolloutGroup], None]) -> None:
+        """Hand B training groups to `take`, in arrival order; groups staler than eta are dropped and re-issued."""
+        L, taken, dropped = self.cfg.learner, 0, 0
+        while taken < L.questions_per_step:
             if not self.inbox.train:
                 self.inbox.pump(0.5)
-                self._warn_if_stalled(len(batch))
+                self._warn_if_stalled(taken)
                 continue
             item, group = self.inbox.train.pop(0)
             if self.version - group.policy_version > L.max_staleness:
@@ -165,11 +180,11 @@ class Shell:
                 dropped += 1
                 self.dispatcher.reissue(item)  # an experience item keeps its replayed trajectory
                 continue
-            batch.append((item, group))
+            take(item, group)
+            taken += 1
         if dropped:
             log.warning("step %d: dropped %d groups staler than eta=%d and re-issued them (ExgrpoStalenessAboveEta)",
                         step, dropped, L.max_staleness)
-        return batch
 
     def _warn_if_stalled(self, ready: int) -> None:
         now, limit = time.time(), self.cfg.metrics.stall_warning_s

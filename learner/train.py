@@ -1,5 +1,5 @@
-"""The learner loop, top to bottom: wait for a batch -> assemble -> update -> ExGRPO bookkeeping ->
-publish -> metrics row.
+"""The learner loop, top to bottom: wait for a batch (updating on its groups as they arrive) -> finish
+the update -> ExGRPO bookkeeping -> publish -> metrics row.
 
 On-policy GRPO (Dr.GRPO variant) with asynchronous actors, and ExGRPO experience replay when enabled:
 - actors pull work from the dispatcher and stream back groups of K completions; the dispatcher's
@@ -24,7 +24,7 @@ from exgrpo_async.report import write_report
 from learner.shell import Shell
 from learner.step_metrics import batch_stats, loss_stats, phase_seconds
 from learner.ranks import Ranks
-from learner.update import StepSettings, assemble, minibatch_order
+from learner.update import StepSettings
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -41,18 +41,17 @@ def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> di
         step = sh.start_step - 1
         for step in range(sh.start_step, L.max_steps + 1):
             t_step = time.time()
-            groups = sh.wait_for_batch(step)  # B groups, too-stale ones dropped and re-issued
-            t_wait = time.time() - t_step
-            groups = minibatch_order(groups, sh.rng)  # mini-batches draw their groups at random, as the authors'
-            batch = assemble(groups, sh.version, collecting=sh.experience.mixed)
-            sh.count_batch(batch)
+            settings = StepSettings(clip=_clip(cfg, sh.experience.started), nan_drill=step in L.fault_nan_loss_at_steps)
+            upd = sh.begin_update(settings)  # micro-batches computed as groups arrive, where one rank trains
+            sh.wait_for_batch(step, upd.add)  # B groups, too-stale ones dropped and re-issued
+            t_wait = time.time() - t_step - upd.busy  # idle: waiting with nothing to compute
 
             t_train = time.time()
-            settings = StepSettings(clip=_clip(cfg, sh.experience.started), nan_drill=step in L.fault_nan_loss_at_steps)
-            res = sh.policy.update(batch.seqs, len(groups), settings, sh.opt_updates)  # on every learner rank
+            batch, res = upd.finish(sh.opt_updates)  # on every learner rank
+            sh.count_batch(batch)
             sh.opt_updates += res.updates
             sh.totals["skipped_steps"] += res.skipped
-            t_train = time.time() - t_train
+            t_train = time.time() - t_train + upd.busy
 
             t_ex = time.time()
             ex = sh.experience.end_step(step, batch, res.pi_past, sh.version, sh.dispatcher, sh.policy.score, sh.rng)

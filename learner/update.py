@@ -88,32 +88,48 @@ def minibatch_order(batch: list[tuple[WorkItem, RolloutGroup]], rng: random.Rand
 def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collecting: bool) -> Batch:
     """Flatten groups into sequences with their advantages; mark correct ones of partly solved groups
     for collection when `collecting` (ExGRPO's delayed start has fired)."""
-    seqs: list[Seq] = []
-    out = Batch(seqs, [], [], [], [], [], 0, 0, 0, 0)
-    for gi, (item, g) in enumerate(batch):
-        comps = [(c.token_ids, c.logprobs, c.reward, False) for c in g.completions]
-        if item.replay is not None:
-            comps.insert(0, (item.replay.token_ids, item.replay.logprobs, float(g.extra["replay_reward"]), True))
-        rewards = [c[2] for c in comps]
-        k = sum(1 for r in rewards if r >= 1.0)
-        out.groups.append(Group(item.question_id, k, len(comps), g.prompt_ids.tolist(), g.policy_version, item.replay))
-        out.staleness.append(version - g.policy_version)
-        for c in g.completions:
-            out.verify_timeouts += c.verify_status == "timeout"
-            out.verify_errors += c.verify_status == "error"
-            out.truncated += c.finish_reason == "length"
-            out.fresh_tokens += len(c.token_ids)
-        for (ids, lps, reward, replay), a in zip(comps, group_advantages(rewards)):
-            (out.replay_rewards if replay else out.fresh_rewards).append(reward)
-            if item.replay is not None and not replay:
-                out.experience_fresh_rewards.append(reward)
-            collect = collecting and not replay and reward >= 1.0 and 0 < k < len(comps)
-            seqs.append(Seq(g.prompt_ids.tolist(), ids.tolist(), torch.from_numpy(lps.copy()), a,
-                            version - g.policy_version, gi, replay, collect))
+    out = empty_batch()
+    for item, g in batch:
+        add_group(out, item, g, version, collecting)
     return out
 
 
-def _cut(seqs: list[Seq], idx: list[int], L) -> list[list[int]]:
+def empty_batch() -> Batch:
+    return Batch([], [], [], [], [], [], 0, 0, 0, 0)
+
+
+def add_group(out: Batch, item: WorkItem, g: RolloutGroup, version: int, collecting: bool) -> list[Seq]:
+    """Append one group (the batch's next) to `out`; returns its sequences."""
+    gi, first = len(out.groups), len(out.seqs)
+    comps = [(c.token_ids, c.logprobs, c.reward, False) for c in g.completions]
+    if item.replay is not None:
+        comps.insert(0, (item.replay.token_ids, item.replay.logprobs, float(g.extra["replay_reward"]), True))
+    rewards = [c[2] for c in comps]
+    k = sum(1 for r in rewards if r >= 1.0)
+    out.groups.append(Group(item.question_id, k, len(comps), g.prompt_ids.tolist(), g.policy_version, item.replay))
+    out.staleness.append(version - g.policy_version)
+    for c in g.completions:
+        out.verify_timeouts += c.verify_status == "timeout"
+        out.verify_errors += c.verify_status == "error"
+        out.truncated += c.finish_reason == "length"
+        out.fresh_tokens += len(c.token_ids)
+    for (ids, lps, reward, replay), a in zip(comps, group_advantages(rewards)):
+        (out.replay_rewards if replay else out.fresh_rewards).append(reward)
+        if item.replay is not None and not replay:
+            out.experience_fresh_rewards.append(reward)
+        collect = collecting and not replay and reward >= 1.0 and 0 < k < len(comps)
+        out.seqs.append(Seq(g.prompt_ids.tolist(), ids.tolist(), torch.from_numpy(lps.copy()), a,
+                            version - g.policy_version, gi, replay, collect))
+    return out.seqs[first:]
+
+
+def forwarded(s: Seq, L) -> bool:
+    """Whether the update forwards `s`: a zero-advantage sequence adds nothing to the policy gradient
+    (`drop_zero_advantage`), unless the entropy bonus is on (it adds to that)."""
+    return s.advantage != 0.0 or not L.drop_zero_advantage or L.entropy_coef > 0
+
+
+def cut_micro_batches(seqs: list[Seq], idx: list[int], L) -> list[list[int]]:
     """`idx` (positions in `seqs`) in micro-batches, by count or by `max_tokens_per_micro_batch`, shortest
     first: a padded micro-batch then holds sequences of like length (on the toy task 19% fewer padded
     tokens and 20% less forward and backward time than in arrival order, ops/bench/learner_pass.py). Every loss term is on the
@@ -135,7 +151,7 @@ def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device
     learner's micro-batches. With `passes` (sharded ranks: every rank makes the same number of forward
     passes), passes beyond this rank's own work forward `filler` and discard it."""
     out = {}
-    parts = _cut(seqs, list(range(len(seqs))), L)
+    parts = cut_micro_batches(seqs, list(range(len(seqs))), L)
     for p in range(passes if passes is not None else len(parts)):
         part = parts[p] if p < len(parts) else []
         rows = _rows([seqs[k] for k in part] or [filler], pad_id, L)
@@ -164,9 +180,9 @@ class UpdateResult:
 PHASES = ("recompute", "forward", "backward", "optimizer")
 
 
-class _Phase:
+class Phase:
     """Adds the time of a `with` block to `res.seconds[name]`: the wall clock on CPU; on CUDA, events
-    recorded on the current stream (no device-wide synchronize in the step; `_read_phases` reads them)."""
+    recorded on the current stream (no device-wide synchronize in the step; `read_phases` reads them)."""
 
     def __init__(self, res: UpdateResult, name: str, device: torch.device):
         self.res, self.name, self.cuda = res, name, device.type == "cuda"
@@ -187,7 +203,7 @@ class _Phase:
             self.res.seconds[self.name] += time.perf_counter() - self.t0
 
 
-def _read_phases(res: UpdateResult) -> None:
+def read_phases(res: UpdateResult) -> None:
     """Turn the step's CUDA phase events into seconds (waits for the last one only)."""
     if res.events:
         res.events[-1][2].synchronize()
@@ -221,27 +237,27 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
     plan = [_minibatch_plan(seqs, mb, mb_groups, L, settings, ranks.world) for mb in range(L.minibatches_per_step)]
     late = [[i for mb_idx, shares in plan[1:] for i in shares[r] if _needs_pre_logp(seqs[i], correcting, X.pi_past)]
             for r in range(ranks.world)]
-    passes = max(len(_cut(seqs, x, L)) for x in late)
+    passes = max(len(cut_micro_batches(seqs, x, L)) for x in late)
     mine = late[ranks.rank]
-    with _Phase(res, "recompute", device):
+    with Phase(res, "recompute", device):
         pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, L, cfg.rollout.temperature,
                                    passes, filler=seqs[0] if seqs else None) if passes else {}
     for mb, (mb_idx, shares) in enumerate(plan):
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
         opt.zero_grad(set_to_none=True)
         mb_loss = 0.0
-        micro = [_cut(seqs, x, L) for x in shares]
+        micro = [cut_micro_batches(seqs, x, L) for x in shares]
         for j in range(max(len(m) for m in micro)):
             idx = micro[ranks.rank][j] if j < len(micro[ranks.rank]) else []
             if idx:
-                mb_loss += _micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
+                mb_loss += micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
             else:
-                with _Phase(res, "forward", device):
+                with Phase(res, "forward", device):
                     _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
         res.losses.append(mb_loss)
-        with _Phase(res, "optimizer", device):
-            _optimizer_step(model, opt, L, updates_before + res.updates, res)
-    _read_phases(res)
+        with Phase(res, "optimizer", device):
+            optimizer_step(model, opt, L, updates_before + res.updates, res)
+    read_phases(res)
     if ranks.world > 1:
         _reduce_result(res, ranks)
     return res
@@ -251,7 +267,7 @@ def _minibatch_plan(seqs: list[Seq], mb: int, mb_groups: int, L, settings: StepS
                     world: int) -> tuple[list[int], list[list[int]]]:
     """A mini-batch's sequences, and the forwarded ones dealt to the ranks by tokens."""
     mb_idx = [i for i, s in enumerate(seqs) if mb * mb_groups <= s.group < (mb + 1) * mb_groups]
-    live = [i for i in mb_idx if seqs[i].advantage != 0.0 or not L.drop_zero_advantage or L.entropy_coef > 0]
+    live = [i for i in mb_idx if forwarded(seqs[i], L)]
     if settings.nan_drill and not live:  # the drill fires even on an all-zero batch
         live = mb_idx[:1]
     shares = split_by_tokens([len(seqs[i].prompt) + len(seqs[i].completion) for i in live], world)
@@ -285,11 +301,11 @@ def _reduce_result(res: UpdateResult, ranks: Ranks) -> None:
                    for i, b in p["pi_past"].items()}
 
 
-def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, scale: LossScale, cfg: RunConfig,
+def micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, scale: LossScale, cfg: RunConfig,
                 settings: StepSettings, device, pad_id: int, res: UpdateResult) -> float:
     """Forward, loss and backward of one micro-batch; returns its loss (already on the mini-batch's scale)."""
     L, X = cfg.learner, cfg.exgrpo
-    with _Phase(res, "forward", device):
+    with Phase(res, "forward", device):
         micro = [seqs[i] for i in idx]
         rows = _rows(micro, pad_id, L)
         mask = rows.target_mask.to(device)
@@ -317,7 +333,7 @@ def _micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict,
         if entropy is not None:
             loss = loss - L.entropy_coef * scale.reduce(entropy, mask)
             st["entropy_sum"] = float((entropy.detach() * mask).sum())
-    with _Phase(res, "backward", device):
+    with Phase(res, "backward", device):
         loss.backward()
     res.stats.append(st)
     if X.pi_past == "learner":
@@ -343,7 +359,7 @@ def _mismatch_stats(prox, behav, mask, replay_tok, own_version_tok, kl_valid: bo
         res.diff_max = d_ if res.diff_max is None else max(res.diff_max, d_)
 
 
-def _optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
+def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
     """Clip, check and apply the accumulated gradient (or skip and count it)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0) if params else torch.zeros(())

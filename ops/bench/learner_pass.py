@@ -3,7 +3,7 @@
 The demo's step is forward plus backward over a step's sequences (docs/benchmarks.md). This isolates
 that pass on one thread, with synthetic sequences shaped like the toy task's (prompts of 9-21 tokens,
 completions of 10-40 tokens or truncated at 64), and compares the layouts the learner can use:
-micro-batches in arrival order or cut shortest first (learner/update.py `_cut`), the output head in
+micro-batches in arrival order or cut shortest first (learner/update.py `cut_micro_batches`), the output head in
 512-position chunks or one chunk (`learner.grpo.logit_chunk`), packed rows (max_tokens_per_micro_batch),
 and bf16 autocast. Medians over --reps passes.
 
@@ -66,6 +66,8 @@ def main() -> None:
         "shortest first, 16/micro, one chunk": (shortest_first, 16, None, False, None),
         "packed rows of 2048 tokens, one chunk": (arrival, a.seqs, None, False, 2048),
         "shortest first, 64/micro, one chunk, bf16 autocast": (shortest_first, 64, None, True, None),
+        "shortest first, 32/micro, one chunk, bf16 autocast": (shortest_first, 32, None, True, None),
+        "shortest first, 16/micro, one chunk, bf16 autocast": (shortest_first, 16, None, True, None),
     }
     real = sum(len(p) + len(c) for p, c in zip(prompts, comps))
     rows = []

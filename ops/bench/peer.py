@@ -10,6 +10,8 @@ This script runs, one at a time on an otherwise idle machine:
 - exgrpo: the same with `exgrpo.enabled=true` (ExGRPO's experience replay on the demo's defaults);
 - fp32: the same with the precision pinned to fp32 (`model.dtype=float32 learner.mixed_precision=none`;
   the defaults choose bf16 where the machine computes it fast, exgrpo_async/precision.py);
+- whole: the same with `learner.overlap_arrival=false` (the learner waits for the whole batch before
+  its first forward, instead of computing micro-batches as the groups arrive: learner/overlap.py);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -87,7 +89,8 @@ def ours(a, cache: Path, seed: int, extra: list[str], name: str = "ours") -> lis
                        "greedy_accuracy": ev["greedy_accuracy"]})
     summary = json.loads((run / "summary.json").read_text())
     points[-1]["rl_seconds"] = summary["rl_seconds"]
-    points[-1]["balance"] = {k: summary.get(k) for k in ("learner_idle_median", "actor_idle_median")}
+    points[-1]["balance"] = {k: summary.get(k) for k in ("learner_idle_median", "actor_idle_median",
+                                                         "cores_busy_median", "stale_dropped")}
     points[-1]["tokens_generated"] = summary["tokens_generated"]
     resolved = json.loads((run / "config.json").read_text())  # what "auto" chose on this run
     points[-1]["precision"] = [resolved["model"]["dtype"], resolved["learner"]["mixed_precision"]]
@@ -106,7 +109,8 @@ def trl(a, cache: Path, seed: int) -> dict:
 
 # Our arms: the demo on its embedded defaults, with ExGRPO on, and with the precision pinned to fp32
 # (actors and learner; the defaults choose bf16 where this machine computes it fast).
-ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"]}
+ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"],
+        "whole": ["learner.overlap_arrival=false"]}
 
 
 def _cumsum(xs: list[float]) -> list[float]:
