@@ -176,9 +176,9 @@ def main() -> None:
         earlier = json.loads(Path(a.reuse).read_text())["runs"]
         res.update({k: v for k, v in earlier.items() if k not in a.systems.split(",")})
     systems = a.systems.split(",")
-    unknown = set(systems) - {"ours", "exgrpo", "fp32", "trl"}
+    unknown = set(systems) - {*ARMS, "trl"}
     if unknown:
-        raise SystemExit(f"unknown --systems {sorted(unknown)}: choose from ours, exgrpo, fp32, trl")
+        raise SystemExit(f"unknown --systems {sorted(unknown)}: choose from {', '.join([*ARMS, 'trl'])}")
     for seed in seeds:  # seeds outermost: the systems share the machine's drift over the invocation
         for system in systems:
             if system == "trl":
