@@ -246,11 +246,14 @@ class LearnerConfig(_Strict):
     micro_batch_sequences: int = Field(64, gt=0)
     """Sequences per forward/backward; gradients are accumulated over micro-batches. Unused when
     `max_tokens_per_micro_batch` is set."""
-    overlap_arrival: bool = True
+    overlap_arrival: bool = False
     """Forward and back-propagate a micro-batch as soon as the step's groups already received fill one,
     while the actors finish the rest, instead of waiting for all B groups: the same gradient, since the
-    loss scale is fixed before the first group arrives (learner/overlap.py). Applies with one learner
-    rank and one mini-batch per step; other runs wait for the whole batch (logged at start)."""
+    loss scale is fixed before the first group arrives (learner/overlap.py). For a learner on devices of
+    its own, idle while the batch completes; off by default: on the CPU demo, where learner and actors
+    share two busy cores, it made the run slower (docs/benchmarks.md, "Micro-batches while the batch
+    arrives"). Applies with one learner rank and one mini-batch per step; other runs wait for the whole
+    batch (logged at start)."""
     max_tokens_per_micro_batch: int | None = Field(None, gt=0)
     """Token budget of one forward/backward (prompt + completion tokens): sequences are packed back to
     back into rows of at most this many tokens, without padding (position ids restart per sequence),

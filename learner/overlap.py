@@ -1,17 +1,21 @@
-"""The step's update, fed one group at a time as the groups arrive: the learner computes while the
-actors finish the step's last requests, instead of idling until the batch is complete.
+"""The step's update, fed one group at a time as the groups arrive, so that the learner can compute
+while the actors finish the step's last requests instead of idling until the batch is complete.
 
 The loop hands each accepted group to `add` and calls `finish` once B groups are in. Two ways to do it:
-- `Accumulator` (one learner rank, one mini-batch per step): forwards and back-propagates a
-  micro-batch as soon as the forwarded sequences already received fill one, and the rest after the
-  last group. This is the same gradient as the whole-batch update, summation order apart: the loss
-  scale D = B x K x L_max (learner/loss_scale.py) is fixed before any group arrives (every group holds K
-  sequences: the server re-issues a group of any other size), the weights do not change before the
-  optimizer step, and every group's advantages are its own. The batch keeps arrival order: with one
-  mini-batch, the order of groups changes nothing but that summation order.
-- `WholeBatch` (several ranks, or several mini-batches): collects the groups, then orders them at
-  random into mini-batches and runs `update_policy` on every rank. Early micro-batches would need the
-  follower ranks to join each of them, and a later mini-batch needs the update of the one before.
+- `Accumulator` (`learner.overlap_arrival`, one learner rank, one mini-batch per step): forwards and
+  back-propagates a micro-batch as soon as the forwarded sequences already received fill one, and the
+  rest after the last group. This is the same gradient as the whole-batch update, summation order
+  apart: the loss scale D = B x K x L_max (learner/loss_scale.py) is fixed before any group arrives
+  (every group holds K sequences: the server re-issues a group of any other size), the weights do not
+  change before the optimizer step, and every group's advantages are its own. The batch keeps arrival
+  order: with one mini-batch, the order of groups changes nothing but that summation order. Its
+  micro-batches are cut from the sequences received so far, so they are less alike in length than
+  the whole batch's (more padding): on the CPU demo's two shared cores that made the run slower
+  (docs/benchmarks.md), hence off by default.
+- `WholeBatch` (the default, and any run of several ranks or mini-batches): collects the groups, then
+  orders them at random into mini-batches and runs `update_policy` on every rank. Early micro-batches
+  would need the follower ranks to join each of them, and a later mini-batch needs the update of the
+  one before.
 `busy` is the seconds `add` computed, so the loop counts the learner idle only while it had nothing
 to compute.
 """

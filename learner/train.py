@@ -1,5 +1,5 @@
-"""The learner loop, top to bottom: wait for a batch (updating on its groups as they arrive) -> finish
-the update -> ExGRPO bookkeeping -> publish -> metrics row.
+"""The learner loop, top to bottom: wait for a batch (with `learner.overlap_arrival`, updating on its
+groups as they arrive) -> finish the update -> ExGRPO bookkeeping -> publish -> metrics row.
 
 On-policy GRPO (Dr.GRPO variant) with asynchronous actors, and ExGRPO experience replay when enabled:
 - actors pull work from the dispatcher and stream back groups of K completions; the dispatcher's
@@ -42,7 +42,7 @@ def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> di
         for step in range(sh.start_step, L.max_steps + 1):
             t_step = time.time()
             settings = StepSettings(clip=_clip(cfg, sh.experience.started), nan_drill=step in L.fault_nan_loss_at_steps)
-            upd = sh.begin_update(settings)  # micro-batches computed as groups arrive, where one rank trains
+            upd = sh.begin_update(settings)  # learner/overlap.py: whole batch, or micro-batches as groups arrive
             sh.wait_for_batch(step, upd.add)  # B groups, too-stale ones dropped and re-issued
             t_wait = time.time() - t_step - upd.busy  # idle: waiting with nothing to compute
 

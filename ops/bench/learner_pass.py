@@ -5,7 +5,8 @@ that pass on one thread, with synthetic sequences shaped like the toy task's (pr
 completions of 10-40 tokens or truncated at 64), and compares the layouts the learner can use:
 micro-batches in arrival order or cut shortest first (learner/update.py `cut_micro_batches`), the output head in
 512-position chunks or one chunk (`learner.grpo.logit_chunk`), packed rows (max_tokens_per_micro_batch),
-and bf16 autocast. Medians over --reps passes.
+bf16 autocast, and the micro-batches `learner.overlap_arrival` cuts as groups arrive (arrival order,
+5 forwarded sequences a group). Medians over --reps passes.
 
     taskset -c 1 .venv/bin/python ops/bench/learner_pass.py [--seqs 160] [--reps 5] [--out bench_out/learner_pass.json]
 """
@@ -23,7 +24,7 @@ import torch
 
 from exgrpo_async.toy import build_model
 from learner.grpo import token_logprobs
-from learner.packing import layout
+from learner.packing import layout, micro_batches
 
 
 def sequences(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -33,10 +34,24 @@ def sequences(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, comps
 
 
+def streamed(lengths: list[int], arrival: list[int], per_micro: int, group: int = 5) -> list[list[int]]:
+    """The micro-batches `learner.overlap_arrival` cuts (learner/overlap.py): sequences arriving `group`
+    at a time (a group's forwarded ones), each full micro-batch of the shortest pending run at once."""
+    def cut(idx):
+        idx = sorted(idx, key=lambda i: (lengths[i], i))
+        return [[idx[k] for k in part] for part in micro_batches([lengths[i] for i in idx], per_micro, None)]
+    parts, pending = [], []
+    for g in range(0, len(arrival), group):
+        cuts = cut(pending + arrival[g:g + group])
+        parts, pending = parts + cuts[:-1], cuts[-1]
+    return parts + cut(pending)
+
+
 def one_pass(model, prompts, comps, order, per_micro, chunk, bf16=False, budget=None) -> tuple[float, int]:
+    """`order` cut `per_micro` at a time, or, given as a list of micro-batches, those."""
     t0, padded = time.perf_counter(), 0
-    for s in range(0, len(order), per_micro):
-        idx = order[s:s + per_micro]
+    parts = order if isinstance(order[0], list) else [order[s:s + per_micro] for s in range(0, len(order), per_micro)]
+    for idx in parts:
         rows = layout([prompts[i] for i in idx], [comps[i] for i in idx], 0, budget)
         padded += rows.input_ids.numel()
         lp = token_logprobs(model, rows.input_ids, rows.attention_mask, chunk_tokens=chunk, bf16=bf16,
@@ -58,6 +73,7 @@ def main() -> None:
     prompts, comps = sequences(a.seqs)
     arrival = list(range(a.seqs))
     shortest_first = sorted(arrival, key=lambda i: (len(prompts[i]) + len(comps[i]), i))
+    as_streamed = streamed([len(p) + len(c) for p, c in zip(prompts, comps)], arrival, 64)
     arms = {
         "arrival order, 64/micro, 512-position chunks (before)": (arrival, 64, 512, False, None),
         "arrival order, 64/micro, one chunk": (arrival, 64, None, False, None),
@@ -68,6 +84,7 @@ def main() -> None:
         "shortest first, 64/micro, one chunk, bf16 autocast": (shortest_first, 64, None, True, None),
         "shortest first, 32/micro, one chunk, bf16 autocast": (shortest_first, 32, None, True, None),
         "shortest first, 16/micro, one chunk, bf16 autocast": (shortest_first, 16, None, True, None),
+        "as streamed (overlap_arrival), 64/micro, one chunk, bf16": (as_streamed, 64, None, True, None),
     }
     real = sum(len(p) + len(c) for p, c in zip(prompts, comps))
     rows = []

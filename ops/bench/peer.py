@@ -10,8 +10,8 @@ This script runs, one at a time on an otherwise idle machine:
 - exgrpo: the same with `exgrpo.enabled=true` (ExGRPO's experience replay on the demo's defaults);
 - fp32: the same with the precision pinned to fp32 (`model.dtype=float32 learner.mixed_precision=none`;
   the defaults choose bf16 where the machine computes it fast, exgrpo_async/precision.py);
-- whole: the same with `learner.overlap_arrival=false` (the learner waits for the whole batch before
-  its first forward, instead of computing micro-batches as the groups arrive: learner/overlap.py);
+- overlap: the same with `learner.overlap_arrival=true` (the learner computes micro-batches as the
+  step's groups arrive instead of waiting for the whole batch: learner/overlap.py);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -110,7 +110,7 @@ def trl(a, cache: Path, seed: int) -> dict:
 # Our arms: the demo on its embedded defaults, with ExGRPO on, and with the precision pinned to fp32
 # (actors and learner; the defaults choose bf16 where this machine computes it fast).
 ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"],
-        "whole": ["learner.overlap_arrival=false"]}
+        "overlap": ["learner.overlap_arrival=true"]}
 
 
 def _cumsum(xs: list[float]) -> list[float]:

@@ -1,7 +1,8 @@
 """Resume equality: a run killed after a checkpoint and resumed ends where an uninterrupted run ends.
 
 CPU, eta=0 (`learner.max_staleness=0`), seeded sampling (`rollout.seeded=true`: every vLLM request is
-seeded from the question and the policy version), one actor, ExGRPO on so the experience buffer fills.
+seeded from the question and the policy version), one actor, ExGRPO on so the experience buffer fills,
+and micro-batches computed as the groups arrive (`learner.overlap_arrival`, learner/overlap.py).
 Run A trains 6 steps straight. Run B checkpoints every 3 steps, its learner is killed with SIGKILL once
 the step-3 checkpoint exists, and `train --resume` finishes it. Every step's metrics, the final
 experience buffer and the final weights must be the same.
@@ -34,7 +35,8 @@ COMPARED = ("reward_mean", "pass_at_1", "tokens_generated", "rollouts", "loss", 
 def overrides(small: list[str], out: Path) -> list[str]:
     return [*small, f"output_dir={out}", f"learner.max_steps={STEPS}", "learner.checkpoint_every=3",
             "learner.max_staleness=0", "rollout.seeded=true", "actor.num_actors=1", "data.eval_file=none",
-            "metrics.port=none", "exgrpo.enabled=true", "exgrpo.start_threshold=0.005"]
+            "metrics.port=none", "exgrpo.enabled=true", "exgrpo.start_threshold=0.005",
+            "learner.overlap_arrival=true"]
 
 
 def rows(run_dir: Path) -> list[dict]:
