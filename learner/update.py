@@ -133,7 +133,8 @@ def cut_micro_batches(seqs: list[Seq], idx: list[int], L) -> list[list[int]]:
     """`idx` (positions in `seqs`) in micro-batches, by count or by `max_tokens_per_micro_batch`, shortest
     first: a padded micro-batch then holds sequences of like length (on the toy task 19% fewer padded
     tokens and 20% less forward and backward time than in arrival order, ops/bench/learner_pass.py).
-    Every loss term is on the mini-batch's scale, so how the sequences are grouped changes nothing but float summation order."""
+    Every loss term is on the mini-batch's scale, so how the sequences are grouped changes nothing but
+    float summation order."""
     idx = sorted(idx, key=lambda i: (len(seqs[i].prompt) + len(seqs[i].completion), i))
     parts = micro_batches([len(seqs[i].prompt) + len(seqs[i].completion) for i in idx], L.micro_batch_sequences,
                           L.max_tokens_per_micro_batch)
