@@ -268,9 +268,11 @@ def test_custom_function_junk_returns_are_errors_naming_the_type(caplog) -> None
             assert v.errors == len(JUNK) and v.timeouts == 0
     (line,) = [r.getMessage() for r in caplog.records if "tests.reward_fns:junk" in r.getMessage()]
     for kind in ("returned NoneType (e.g. None)", "returned str (e.g. '0.5')", "returned bool (e.g. True)",
-                 "returned list", "2x returned a non-finite number (e.g. nan)",
-                 "2x returned a number outside [0, 1] (e.g. 1.5)"):
+                 "returned list"):
         assert kind in line, (kind, line)
+    # two workers: which of a kind's two items is tallied first (its example) depends on completion order
+    assert re.search(r"2x returned a non-finite number \(e\.g\. (nan|inf)\)", line), line
+    assert re.search(r"2x returned a number outside \[0, 1\] \(e\.g\. (1\.5|-0\.25)\)", line), line
 
 
 def test_custom_function_hanging_is_killed_at_the_deadline() -> None:
