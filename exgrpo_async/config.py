@@ -310,6 +310,11 @@ class LearnerConfig(_Strict):
     max_staleness: int = Field(1, ge=0)
     """Rollouts whose policy version is more than this many versions behind the learner are not trained
     on; their questions are re-queued (counted as `stale_dropped`)."""
+    wait_for_expiring: bool = True
+    """Fill each step with the groups that could not be trained after it first, and hold back groups
+    that could, while such groups are still being generated (at most the previous step's time). Off:
+    groups are trained in arrival order, so with several actors a slower actor's groups can arrive
+    one step too late and be dropped and generated again (docs/benchmarks.md, "Stale drops")."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on the held-out file every N steps (0: only before and after training)."""
     best_exclude_sources: list[str] = ["minerva"]

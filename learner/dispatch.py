@@ -54,6 +54,7 @@ class WorkItem:
     min_version: int = 0
     replay: Any = None  # ExGRPO: the stored trajectory replayed beside the n fresh samples
     seed: int | None = None  # vLLM sampling seed (set at dispatch when seeded sampling is on)
+    version: int = -1  # the policy version of the actor it was handed to (it generates on those weights)
 
 
 class Dispatcher:
@@ -102,6 +103,7 @@ class Dispatcher:
                 self.train_dispatched += 1
                 out.append(item)
             for item in out:
+                item.version = actor_version
                 self.outstanding[item.work_id] = item
                 if self.sampling_seed is not None:
                     item.seed = self._seed(item)
@@ -138,6 +140,12 @@ class Dispatcher:
                 self._experience.appendleft(WorkItem(0, item.question_id, item.n, "train", item.temperature,
                                                      min_version=item.min_version, replay=item.replay))
             self.train_dispatched -= 1  # the admission budget is for questions trained, not attempts
+
+    def expiring(self, version: int) -> int:
+        """Training items still out that were handed to an actor on `version`: with `version` the
+        learner's minus eta, it can train their groups this step but not after it (Inbox.next_train)."""
+        with self._lock:
+            return sum(1 for w in self.outstanding.values() if w.purpose == "train" and w.version == version)
 
     def release_actor(self, actor_id: str) -> int:
         """Re-issue everything an actor held (it left or died); returns how many items."""

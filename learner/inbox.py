@@ -1,13 +1,15 @@
-"""What the loop receives: the inbox that sorts training and eval groups, held-out evaluation, and the
-question books (every training question handed out is accounted for)."""
+"""What the loop receives: the inbox that sorts training and eval groups and picks the order the step
+trains them in, held-out evaluation, and the question books (every training question handed out is
+accounted for)."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import time
+from collections.abc import Callable
 
-from exgrpo_async.config import RunConfig
+from exgrpo_async.config import LearnerConfig, RunConfig
 from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import Dispatcher, WorkItem
 from learner.server import LearnerServer
@@ -45,6 +47,54 @@ class Inbox:
 
     def add(self, item: WorkItem, group: RolloutGroup) -> None:
         (self.eval if item.purpose == "eval" else self.train).append((item, group))
+
+    def take_stale(self, version: int, eta: int) -> list[tuple[WorkItem, RolloutGroup]]:
+        """Remove and return the training groups more than `eta` versions behind `version`."""
+        stale = [(it, g) for it, g in self.train if version - g.policy_version > eta]
+        if stale:
+            self.train = [(it, g) for it, g in self.train if version - g.policy_version <= eta]
+        return stale
+
+    def next_train(self, version: int, eta: int, need: int, expiring: int) -> tuple[WorkItem, RolloutGroup] | None:
+        """The training group the step trains next (removed from `train`), or None to wait for another.
+        Call `take_stale` first. A group `eta` versions behind cannot be trained after this step, so
+        those go first; then the others, oldest version first, arrival order among equals. One with
+        slack is taken only while the batch, `need` groups short, has room for it beside the `expiring`
+        items still being generated that are `eta` behind: otherwise newer groups fill the batch, and the
+        older ones, arriving a step too late, are dropped and generated again (two actors, one slower)."""
+        if not self.train:
+            return None
+        oldest = min(range(len(self.train)), key=lambda i: self.train[i][1].policy_version)
+        if version - self.train[oldest][1].policy_version < eta and need <= expiring:
+            return None
+        return self.train.pop(oldest)
+
+
+def fill_batch(inbox: Inbox, dispatcher: Dispatcher, version: int, L: LearnerConfig, hold_s: float,
+               take: Callable[[WorkItem, RolloutGroup], None], waiting: Callable[[int], None]) -> int:
+    """Hand `take` the step's B training groups in `Inbox.next_train`'s order; groups staler than eta are
+    re-issued, and their count returned. With `L.wait_for_expiring`, groups that could wait a step are
+    held back while items that cannot are still being generated, for at most `hold_s` (the previous
+    step's time): past that an actor is frozen or far behind, and regenerating its work is cheaper.
+    `waiting(taken)` is called on every wait (the stall warning)."""
+    taken, dropped, hold_until = 0, 0, None
+    while taken < L.questions_per_step:
+        inbox.drain()
+        for item, _ in inbox.take_stale(version, L.max_staleness):
+            dispatcher.reissue(item)  # an experience item keeps its replayed trajectory
+            dropped += 1
+        holding = L.wait_for_expiring and (hold_until is None or time.monotonic() < hold_until)
+        expiring = dispatcher.expiring(version - L.max_staleness) if holding else 0
+        picked = inbox.next_train(version, L.max_staleness, L.questions_per_step - taken, expiring)
+        if picked is None:
+            if inbox.train and hold_until is None:  # groups held back: start the clock
+                hold_until = time.monotonic() + hold_s
+            inbox.pump(min(0.5, max(0.01, hold_until - time.monotonic())) if holding and hold_until else 0.5)
+            waiting(taken)
+            continue
+        take(*picked)
+        taken += 1
+    return dropped
 
 
 def source_score(by_source: dict[str, float], exclude: list[str]) -> float | None:

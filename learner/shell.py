@@ -28,7 +28,7 @@ from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read
                                 unpack_ragged)
 from learner.dispatch import Dispatcher, WorkItem
 from learner.experience import Experience
-from learner.inbox import Inbox, question_books, run_eval
+from learner.inbox import Inbox, fill_batch, question_books, run_eval
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import pick_device, save_policy
 from learner.policy import Policy
@@ -86,6 +86,7 @@ class Shell:
         self._busy: dict = {}  # the actors' busy seconds at the previous step (for actor_idle_frac)
         self._idle: dict[str, list[float]] = {"learner": [], "actor": [], "cores": []}  # per step, for the balance
         self._cores = CoreClock()
+        self._last_step_s = 0.0  # the previous step's wall time: the longest wait_for_batch holds groups back
         self.t_start = self._t_progress = self._stall_warned = self._progress_logged = time.time()
 
     # ------------------------------------------------------------------ set-up
@@ -167,21 +168,12 @@ class Shell:
         return WholeBatch(self.policy, settings, self.version, self.experience.mixed, self.rng)
 
     def wait_for_batch(self, step: int, take: Callable[[WorkItem, RolloutGroup], None]) -> None:
-        """Hand B training groups to `take`, in arrival order; groups staler than eta are dropped and re-issued."""
-        L, taken, dropped = self.cfg.learner, 0, 0
-        while taken < L.questions_per_step:
-            if not self.inbox.train:
-                self.inbox.pump(0.5)
-                self._warn_if_stalled(taken)
-                continue
-            item, group = self.inbox.train.pop(0)
-            if self.version - group.policy_version > L.max_staleness:
-                self.totals["stale_dropped"] += 1
-                dropped += 1
-                self.dispatcher.reissue(item)  # an experience item keeps its replayed trajectory
-                continue
-            take(item, group)
-            taken += 1
+        """Hand B training groups to `take`, those about to expire first; groups staler than eta are
+        dropped and re-issued (learner/inbox.py, `fill_batch`)."""
+        L = self.cfg.learner
+        dropped = fill_batch(self.inbox, self.dispatcher, self.version, L, self._last_step_s, take,
+                             self._warn_if_stalled)
+        self.totals["stale_dropped"] += dropped
         if dropped:
             log.warning("step %d: dropped %d groups staler than eta=%d and re-issued them (ExgrpoStalenessAboveEta)",
                         step, dropped, L.max_staleness)
@@ -218,6 +210,7 @@ class Shell:
         syncs, stalls, pauses = s.sync_seconds.take(), s.update_stalls.take(), s.update_pauses.take()
         busy_before, self._busy = self._busy, dict(s.actor_busy)  # a copy: the server thread writes it
         now = time.time()
+        self._last_step_s = now - t_step
         learner_idle, actor_idle = t_wait / max(1e-9, now - t_step), actor_idle_share(busy_before, self._busy)
         cores_busy = self._cores.busy_since_last()
         if actor_idle is not None:

@@ -12,6 +12,8 @@ This script runs, one at a time on an otherwise idle machine:
   the defaults choose bf16 where the machine computes it fast, exgrpo_async/precision.py);
 - overlap: the same with `learner.overlap_arrival=true` (the learner computes micro-batches as the
   step's groups arrive instead of waiting for the whole batch: learner/overlap.py);
+- arrival: the same with `learner.wait_for_expiring=false` (each step trains groups in arrival order,
+  so a slower actor's can arrive a step too late and be dropped: learner/inbox.py);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -110,7 +112,7 @@ def trl(a, cache: Path, seed: int) -> dict:
 # Our arms: the demo on its embedded defaults, with ExGRPO on, and with the precision pinned to fp32
 # (actors and learner; the defaults choose bf16 where this machine computes it fast).
 ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"],
-        "overlap": ["learner.overlap_arrival=true"]}
+        "overlap": ["learner.overlap_arrival=true"], "arrival": ["learner.wait_for_expiring=false"]}
 
 
 def _cumsum(xs: list[float]) -> list[float]:
