@@ -17,9 +17,10 @@ This script runs, one at a time on an otherwise idle machine:
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
-It prints, per system, the medians over seeds of accuracy against seconds, and our time to TRL's final
-accuracy (the first checkpoint whose median reaches TRL's median final avg@8) over TRL's time; writes
-OUT/peer.json.
+It prints, per system, the medians over seeds of accuracy against seconds; our time to TRL's final
+accuracy (the first checkpoint whose median reaches TRL's median final avg@8) over TRL's time; and, at
+TRL's final step, our time over TRL's and our avg@8 minus TRL's seed by seed (no threshold to flip on
+a shared plateau); writes OUT/peer.json.
 
     .venv/bin/python ops/bench/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
         [--peer-py bench_out/peer-venv/bin/python] [--harness ../shared/tools/peer/trl_toy.py] [overrides...]
@@ -153,6 +154,24 @@ def time_to(res: dict, name: str = "ours") -> dict | None:
     return {"target_avg8": target, "trl_seconds": trl_s, "ours_step": None, "ours_seconds": None, "ratio": None}
 
 
+def at_equal_steps(res: dict, name: str = "ours") -> dict | None:
+    """Arm `name` against TRL at TRL's final step: our median time over TRL's (and each of our seeds'
+    time over TRL's median), and both systems' avg@8 per seed with the difference of the medians. Unlike
+    `time_to`, no threshold to cross: on a plateau both share, a first-crossing rule flips on a
+    difference far below the seeds' spread. (Seeds are not paired: the systems share only the warm start.)"""
+    if "trl" not in res or name not in res:
+        return None
+    med, step = statistics.median, res["trl"][0][-1]["step"]
+    ours = [next((p for p in r if p["step"] == step), None) for r in res[name]]
+    if any(p is None for p in ours):
+        return None
+    trl_s = med(r[-1]["seconds"] for r in res["trl"])
+    acc_ours, acc_trl = [p["accuracy"] for p in ours], [r[-1]["accuracy"] for r in res["trl"]]
+    return {"step": step, "ratio": med(p["seconds"] for p in ours) / trl_s,
+            "ratio_per_seed": [p["seconds"] / trl_s for p in ours], "avg8": acc_ours, "avg8_trl": acc_trl,
+            "avg8_median_diff": med(acc_ours) - med(acc_trl)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
@@ -191,9 +210,11 @@ def main() -> None:
             print(system, seed, json.dumps(pts[-1]), flush=True)
     print(table(res))
     tt = {name: time_to(res, name) for name in ARMS if name in res}
+    eq = {name: at_equal_steps(res, name) for name in ARMS if name in res}
     print("time to TRL's final accuracy:", json.dumps(tt))
+    print("at TRL's final step, seed by seed:", json.dumps(eq))
     (out / "peer.json").write_text(json.dumps({"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
-                                               "time_to_trl": tt}, indent=1))
+                                               "time_to_trl": tt, "at_equal_steps": eq}, indent=1))
 
 
 if __name__ == "__main__":
