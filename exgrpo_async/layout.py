@@ -29,6 +29,7 @@ class PlacementError(ValueError):
 
 
 IDLE_TARGET = 0.15  # an idle share above this on one side, with the other side busy, is worth a move
+CORES_FULL = 0.95  # cores this busy have no idle time to lend (docs/benchmarks.md, "Stale drops": the arithmetic)
 
 
 def resolve(cfg: RunConfig, cores: int, gpus: int) -> RunConfig:
@@ -92,10 +93,13 @@ def balance(learner_idle: float | None, actor_idle: float | None, cores_busy: fl
     line = f"balance: learner idle {learner_idle:.0%}, actors idle {actor_idle:.0%}"
     if cores_busy is not None:
         line += f", CPU cores busy {cores_busy:.0%}"
+    full = "" if cores_busy is None or cores_busy < CORES_FULL else (
+        "; on a CPU run the sides share these cores, now full, so a move only shifts the idle time: more "
+        "cores, or less work per step on the busy side, would shorten the step")
     if actor_idle > IDLE_TARGET and actor_idle > learner_idle:
-        return line + ": learner-bound; give the learner more (fewer actors, more learner threads or GPUs)"
+        return line + ": learner-bound; give the learner more (fewer actors, more learner threads or GPUs)" + full
     if learner_idle > IDLE_TARGET and learner_idle > actor_idle:
-        return line + ": generation-bound; give the actors more (more actors, cores or GPUs)"
+        return line + ": generation-bound; give the actors more (more actors, cores or GPUs)" + full
     return line + ": balanced"
 
 

@@ -70,6 +70,13 @@ def test_the_balance_line_shows_the_cores_busy_share():
     assert "busy" not in balance(0.27, 0.08)
 
 
+def test_the_balance_line_says_when_full_cores_leave_nothing_to_move():
+    assert "only shifts the idle time" in balance(0.17, 0.14, 0.98)
+    assert "only shifts the idle time" in balance(0.02, 0.40, 0.96)
+    assert "only shifts" not in balance(0.17, 0.14, 0.80)  # idle cores: the move is real
+    assert "only shifts" not in balance(0.10, 0.10, 0.99)  # balanced: nothing to move
+
+
 def test_the_core_clock_sees_a_busy_core():
     """A spinning process on one of this process's cores makes that core's clock read busy."""
     import multiprocessing as mp
