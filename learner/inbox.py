@@ -89,7 +89,8 @@ def fill_batch(inbox: Inbox, dispatcher: Dispatcher, version: int, L: LearnerCon
         if picked is None:
             if inbox.train and hold_until is None:  # groups held back: start the clock
                 hold_until = time.monotonic() + hold_s
-            inbox.pump(min(0.5, max(0.01, hold_until - time.monotonic())) if holding and hold_until else 0.5)
+            holding_now = holding and hold_until is not None
+            inbox.pump(min(0.5, max(0.01, hold_until - time.monotonic())) if holding_now else 0.5)
             waiting(taken)
             continue
         take(*picked)

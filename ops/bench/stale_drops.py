@@ -75,7 +75,8 @@ def main() -> None:
     print("| arm | groups dropped | steps with an overtaking group | steps' wall s | learner idle |")
     print("|---|---|---|---|---|")
     for arm, runs in res.items():
-        col = lambda k, f: ", ".join(f.format(r[k]) for r in runs) + f" ({f.format(med(r[k] for r in runs))})"
+        def col(k: str, f: str) -> str:  # per seed, then the median
+            return ", ".join(f.format(r[k]) for r in runs) + f" ({f.format(med(r[k] for r in runs))})"
         print(f"| {arm} | {col('stale_dropped', '{}')} | {col('overtaken_steps', '{}')} | "
               f"{col('step_seconds', '{:.1f}')} | {col('learner_idle_median', '{:.0%}')} |")
     (out / "stale_drops.json").write_text(json.dumps({"steps": a.steps, "load": a.load, "runs": res}, indent=1))

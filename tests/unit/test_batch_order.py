@@ -11,7 +11,7 @@ import numpy as np
 
 from exgrpo_async.config import LearnerConfig
 from exgrpo_async.rollout import RolloutGroup
-from learner.dispatch import Dispatcher
+from learner.dispatch import Dispatcher, WorkItem
 from learner.inbox import Inbox, fill_batch
 
 
@@ -35,9 +35,7 @@ def arrive(d: Dispatcher, server: FakeServer, item, version: int) -> None:
 def ready(*versions: int) -> Inbox:
     inbox = Inbox(FakeServer())
     for i, v in enumerate(versions):
-        d = dispatcher(1)
-        (item,) = d.take("a", v, 1)
-        inbox.add(item, RolloutGroup(i, item.question_id, np.zeros(1, np.int32), [], v, "a"))
+        inbox.add(WorkItem(i, i, 2, "train", 1.0), RolloutGroup(i, i, np.zeros(1, np.int32), [], v, "a"))
     return inbox
 
 

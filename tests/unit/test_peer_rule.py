@@ -1,6 +1,7 @@
 """ops/bench/peer.py's two readings of "as accurate as TRL, in how much of its time": the first-crossing
 rule and the equal-steps figures. Synthetic runs: the crossing rule flips on a gap far below the
-seeds' spread; the equal-steps figures do not."""
+seeds' spread; the equal-steps figures do not. And ops/bench/balance.py's split of a step into the
+learner's work and the rest, which predicts the learner's idle share on full shared cores."""
 
 import pytest
 
@@ -33,3 +34,16 @@ def test_equal_steps_needs_a_checkpoint_at_trls_step(peer):
     res = {"trl": runs([[(100, 200.0, 0.40)]]), "ours": runs([[(50, 40.0, 0.36), (75, 60.0, 0.4)]])}
     assert peer.at_equal_steps(res, "ours") is None
     assert peer.at_equal_steps({"ours": res["ours"]}, "ours") is None
+
+
+def test_balance_split_predicts_the_learners_idle_share_from_the_two_sides_work():
+    balance = load_bench("balance")
+    start = [{"step_seconds": 9.0, "wait_seconds": 9.0, "cores_busy_frac": 0.1}] * 5  # left out
+    rows = start + [{"step_seconds": 1.0, "wait_seconds": 0.2, "cores_busy_frac": 1.0},
+                    {"step_seconds": 1.0, "wait_seconds": 0.2, "cores_busy_frac": 1.0}]
+    r = balance.work_split(rows, cores=2)
+    assert (r["step_s"], r["learner_s"]) == pytest.approx((1.0, 0.8))
+    assert (r["rest_core_s"], r["rest_over_learner"]) == pytest.approx((1.2, 1.5))
+    assert (r["idle_predicted"], r["idle_measured"]) == pytest.approx((0.2, 0.2))
+    half = balance.work_split(start + [dict(x, cores_busy_frac=0.5) for x in rows[5:]], cores=2)
+    assert half["rest_core_s"] == pytest.approx(0.2)  # cores half idle: the rest did 0.2 core-s
