@@ -307,9 +307,13 @@ class LearnerConfig(_Strict):
     eval_every_tokens: int = Field(0, ge=0)
     """Also evaluate on the held-out file each time another N fresh completion tokens have been generated
     (0: off); the row records `tokens_generated_total`, so arms compare at equal generated tokens."""
-    max_staleness: int = Field(1, ge=0)
-    """Rollouts whose policy version is more than this many versions behind the learner are not trained
-    on; their questions are re-queued (counted as `stale_dropped`)."""
+    max_staleness: int = Field(2, ge=0)
+    """eta: work is handed out for at most this many steps beyond the one being filled, and rollouts
+    more than this many versions behind the learner are not trained on; their questions are re-queued
+    (counted as `stale_dropped`). 2 by default: with 1, the demo's actors run out of admitted work
+    during part of each learner step and the learner idles over 15%; with 2 both sides stay under it,
+    at the same speed and accuracy within the seeds' spread (docs/benchmarks.md, "eta 2"). The 8-GPU
+    configs set 1."""
     wait_for_expiring: bool = True
     """Fill each step with the groups that could not be trained after it first, and hold back groups
     that could, while such groups are still being generated (at most the previous step's time). Off:

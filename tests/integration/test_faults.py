@@ -204,7 +204,7 @@ def test_frozen_actor_is_presumed_dead_then_rejoins(small, tmp_path, world):
     out, seconds = tmp_path / "runs", 120
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, "learner.max_steps=100000",
-                                 f"learner.max_seconds={seconds}", "actor.num_actors=2",
+                                 f"learner.max_seconds={seconds}", "actor.num_actors=2", "learner.max_staleness=1",
                                  f"learner.world_size={world}", f"output_dir={out}"]),
                             stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -36,12 +36,12 @@ def test_train_runs_end_to_end(small, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    config = json.loads((run_dir / "config.json").read_text())
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert FIELDS <= r.keys()
         assert all(math.isfinite(r[k]) for k in ("reward_mean", "loss", "grad_norm"))
-        assert r["rollouts"] == 8 * 4 and r["staleness_max"] <= 1
-    config = json.loads((run_dir / "config.json").read_text())
+        assert r["rollouts"] == 8 * 4 and r["staleness_max"] <= config["learner"]["max_staleness"]
     assert config["learner"]["max_steps"] == 3
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["before"]["versions"] == [0] and summary["after"]["versions"] == [3]
