@@ -14,8 +14,8 @@ This script runs, one at a time on an otherwise idle machine:
   step's groups arrive instead of waiting for the whole batch: learner/overlap.py);
 - arrival: the same with `learner.wait_for_expiring=false` (each step trains groups in arrival order,
   so a slower actor's can arrive a step too late and be dropped: learner/inbox.py);
-- eta2: the same with `learner.max_staleness=2` (admission hands out work up to two versions ahead, so
-  the actors can generate through the learner's step more often; rollouts up to two versions old);
+- eta1, eta2: the same with `learner.max_staleness` 1 or 2 (how many steps ahead admission hands out
+  work, and how old a rollout may be; 2 is the default since the comparison in docs/benchmarks.md);
 - TRL: the harness with `--generation transformers` (its faster variant on this machine; `--trl vllm`
   for vLLM colocate) for `--steps` steps per seed (`--seed`), scored by the same evaluator; its time is
   the harness's training seconds (set-up and evaluations left out).
@@ -116,7 +116,7 @@ def trl(a, cache: Path, seed: int) -> dict:
 # (actors and learner; the defaults choose bf16 where this machine computes it fast).
 ARMS = {"ours": [], "exgrpo": ["exgrpo.enabled=true"], "fp32": ["model.dtype=float32", "learner.mixed_precision=none"],
         "overlap": ["learner.overlap_arrival=true"], "arrival": ["learner.wait_for_expiring=false"],
-        "eta2": ["learner.max_staleness=2"]}
+        "eta1": ["learner.max_staleness=1"], "eta2": ["learner.max_staleness=2"]}
 
 
 def _cumsum(xs: list[float]) -> list[float]:

@@ -4,11 +4,12 @@ With two actors, one can finish the next step's work before the other finishes t
 arrival order, the slower actor's groups then come a step too late and are dropped as staler than eta
 and generated again. `learner.wait_for_expiring` (learner/inbox.py) takes first the groups that cannot
 wait a step and holds newer ones back (at most a step's time) while such groups are still being made.
-This runs the demo (`exgrpo-async train` on its embedded defaults) for `--steps` steps per seed and
-arm, seeds outermost, optionally beside `--load` busy processes (a machine shared with other work,
-where actors run at uneven speeds), and reads each run's metrics: groups dropped, steps where a group
-generated on the learner's current weights was trained (a newer group overtook: lag 0 at eta=1),
-wall time of the steps, learner idle. Prints a table and writes OUT/stale_drops.json.
+This runs the demo (`exgrpo-async train` on its embedded defaults, with eta pinned to 1, the default
+when the figures in docs/benchmarks.md were taken) for `--steps` steps per seed and arm, seeds
+outermost, optionally beside `--load` busy processes (a machine shared with other work, where actors
+run at uneven speeds), and reads each run's metrics: groups dropped, steps where a group generated on
+the learner's current weights was trained (a newer group overtook: lag 0 at eta=1), wall time of the
+steps, learner idle. Prints a table and writes OUT/stale_drops.json.
 
     .venv/bin/python ops/bench/stale_drops.py [--seeds 0,1,2] [--steps 100] [--load 1] [--out bench_out/stale]
 """
@@ -37,7 +38,7 @@ def run(out: Path, seed: int, steps: int, override: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     with open(out.with_suffix(".log"), "w") as f:
         cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", f"output_dir={out}", f"learner.max_steps={steps}",
-               f"learner.seed={seed}", "metrics.port=none", override]
+               f"learner.seed={seed}", "metrics.port=none", "learner.max_staleness=1", override]
         if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"failed: {' '.join(cmd)} (log: {out.with_suffix('.log')})")
     (run_dir,) = out.glob("run-*")
