@@ -47,3 +47,11 @@ def test_balance_split_predicts_the_learners_idle_share_from_the_two_sides_work(
     assert (r["idle_predicted"], r["idle_measured"]) == pytest.approx((0.2, 0.2))
     half = balance.work_split(start + [dict(x, cores_busy_frac=0.5) for x in rows[5:]], cores=2)
     assert half["rest_core_s"] == pytest.approx(0.2)  # cores half idle: the rest did 0.2 core-s
+
+
+def test_balance_reads_the_rollouts_age_after_start_up():
+    balance = load_bench("balance")
+    rows = [{"staleness_mean": 9.0, "is_weight_max": 9.0}] * 5 + [
+        {"staleness_mean": 1.0, "is_weight_max": 1.2}, {"staleness_mean": 2.0, "is_weight_max": 1.6},
+        {"staleness_mean": 1.5, "is_weight_max": 3.0}]
+    assert balance.staleness(rows) == pytest.approx({"staleness_mean": 1.5, "is_weight_max_median": 1.6})
