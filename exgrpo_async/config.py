@@ -311,9 +311,9 @@ class LearnerConfig(_Strict):
     """eta: work is handed out for at most this many steps beyond the one being filled, and rollouts
     more than this many versions behind the learner are not trained on; their questions are re-queued
     (counted as `stale_dropped`). 2 by default: with 1, the demo's actors run out of admitted work
-    during part of each learner step and the learner idles over 15%; with 2 both sides stay under it,
-    at the same speed and accuracy within the seeds' spread (docs/benchmarks.md, "eta 2"). The 8-GPU
-    configs set 1."""
+    during part of each learner step and the learner idles over 15%; with 2 both sides stayed under it
+    in a 3-seed comparison (not in every later run), at the same speed and accuracy within the seeds'
+    spread (docs/benchmarks.md, "eta 2"). The 8-GPU configs set 1."""
     wait_for_expiring: bool = True
     """Fill each step with the groups that could not be trained after it first, and hold back groups
     that could, while such groups are still being generated (at most the previous step's time). Off:
