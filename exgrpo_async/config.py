@@ -237,6 +237,12 @@ class LearnerConfig(_Strict):
     master weights, gradients and AdamW state stay fp32 (the authors' set-up); "none" computes in fp32.
     Log-probs and entropies are always reduced in fp32. "auto": "bf16" where this machine computes bf16
     fast, else "none", decided with `model.dtype="auto"` (exgrpo_async/precision.py)."""
+    attention: Literal["auto", "sdpa", "varlen", "per_sequence"] = "auto"
+    """How the learner's decoder keeps each sequence of a packed row to itself (learner/attention.py).
+    "sdpa": transformers' block-diagonal mask over the whole row (every pair of a W-wide row computed);
+    "varlen": PyTorch's variable-length flash attention, causal within each sequence (CUDA, bf16);
+    "per_sequence": one causal SDPA call per sequence (any device and dtype). "auto": "varlen" on a
+    CUDA learner computing in bf16, else "sdpa". A start-up check proves the choice keeps sequences apart."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(200, gt=0)

@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from learner.attention import Segments, segments_from_positions, wants_segments
+from learner.packing import to_device
+
 
 def group_advantages(rewards: list[float]) -> list[float]:
     """A_i = r_i - mean(r) over one group (no std normalisation)."""
@@ -44,11 +47,14 @@ class LogProbs(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
                 with_entropy: bool = False, chunk_tokens: int | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                position_ids: torch.Tensor | None = None,
+                segments: Segments | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         targets = input_ids[:, 1:]
         model = self.policy
         decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
         kw = {"position_ids": position_ids} if position_ids is not None else {}
+        if segments is not None:  # learner/attention.py's kernels read them
+            kw["packed_segments"] = segments
         if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits[:, :-1]
             logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
@@ -84,7 +90,7 @@ def logit_chunk(vocab: int) -> int:
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int | None = None,
-                   bf16: bool = False, position_ids: torch.Tensor | None = None):
+                   bf16: bool = False, position_ids: torch.Tensor | None = None, segments: Segments | None = None):
     """(N, L-1) log-prob of each next token under `model` (a causal LM or its `LogProbs`; logits divided
     by the sampling temperature); with `with_entropy`, also the (N, L-1) entropy of each full
     next-token distribution.
@@ -95,9 +101,10 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
     `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the
     forward runs under bf16 autocast (mixed precision; the reductions stay fp32). Packed rows
-    (learner/packing.py) pass `position_ids` restarting per sequence and no attention mask."""
+    (learner/packing.py) pass `position_ids` restarting per sequence and no attention mask, and, for the
+    kernels of learner/attention.py, their `segments`."""
     lp = model if isinstance(model, LogProbs) else LogProbs(model)
-    args = (input_ids, attention_mask, temperature, with_entropy, chunk_tokens, position_ids)
+    args = (input_ids, attention_mask, temperature, with_entropy, chunk_tokens, position_ids, segments)
     if bf16:
         with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
             logp, entropy = lp(*args)
@@ -122,52 +129,59 @@ def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Ten
 
 
 def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                      cap: float, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                      cap: float, segments: torch.Tensor | None = None,
+                      n_segments: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weight of each token for being sampled by the behaviour policy, not the proximal one.
 
     mode: "token_truncate" | "token_mask" | "sequence_truncate" | "sequence_mask". A sequence's weight
     is the product of its tokens' ratios; `segments` (R, T) says which sequence each position belongs
-    to (packed rows), else each row is one sequence. Returns the (R, T) detached weights (1 on
-    masked-out positions) and their statistics over the valid tokens (or sequences): mean and max of
-    the raw weight, and the fraction truncated or masked (raw weight above `cap`).
+    to (packed rows; `n_segments` of them, known to the caller, else read off the tensor), else each row
+    is one sequence. Returns the (R, T) detached weights (1 on masked-out positions) and their statistics
+    over the valid tokens (or sequences), as 0-d tensors (no host synchronisation): mean and max of the
+    raw weight, and the fraction truncated or masked (raw weight above `cap`).
     """
     maskf = mask.float()
     log_w = ((proximal_logp - behaviour_logp) * maskf).detach()
     if mode.startswith("sequence"):
         seg = segments if segments is not None else torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
         seg = torch.where(mask, seg, torch.zeros_like(seg))
-        n_seg = int(seg.max()) + 1 if mask.any() else 1
-        sums = torch.zeros(n_seg, dtype=log_w.dtype, device=log_w.device).index_add_(0, seg[mask], log_w[mask])
-        present = torch.bincount(seg[mask], minlength=n_seg) > 0
-        raw_seq = torch.exp(sums.clamp(max=80.0))  # clamp: keep exp finite, it is capped anyway
-        raw = raw_seq[seg]
-        stat_raw, stat_valid = raw_seq[present], present.sum()
+        n_seg = n_segments if n_segments is not None else (int(seg.max()) + 1 if mask.any() else 1)
+        flat = seg.reshape(-1)
+        sums = torch.zeros(n_seg, dtype=log_w.dtype, device=log_w.device).index_add_(0, flat, log_w.reshape(-1))
+        valid = torch.zeros(n_seg, device=log_w.device).index_add_(0, flat, maskf.reshape(-1)) > 0
+        stat_raw = torch.exp(sums.clamp(max=80.0))  # clamp: keep exp finite, it is capped anyway
+        raw = stat_raw[seg]
     else:
         raw = torch.exp(log_w.clamp(max=80.0))
-        stat_raw, stat_valid = raw[mask], mask.sum()
+        stat_raw, valid = raw, mask
     over = raw > cap
     w = torch.clamp(raw, max=cap) if mode.endswith("truncate") else torch.where(over, torch.zeros_like(raw), raw)
     w = torch.where(mask, w, torch.ones_like(w))
-    n = float(stat_valid)
-    stats = {"is_weight_mean": float(stat_raw.sum()) / n if n else 1.0,
-             "is_weight_max": float(stat_raw.max()) if n else 1.0,
-             "is_truncated_frac": float((stat_raw > cap).float().sum()) / n if n else 0.0}
+    validf = valid.float()
+    n = validf.sum()
+    some = n > 0
+    one = torch.ones((), device=raw.device)
+    stats = {"is_weight_mean": torch.where(some, (stat_raw * validf).sum() / n.clamp(min=1), one),
+             "is_weight_max": torch.where(some, torch.where(valid, stat_raw, torch.zeros_like(stat_raw)).max(), one),
+             "is_truncated_frac": ((stat_raw > cap) & valid).float().sum() / n.clamp(min=1)}
     return w, stats
 
 
-def mismatch_kl(learner_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+def mismatch_kl(learner_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over `mask` of the k3 estimate of KL(pi_behav || pi_learner) per token (r - 1 - log r with
-    r = pi_learner/pi_behav, unbiased and >= 0 on samples drawn from pi_behav), and the token count."""
+    r = pi_learner/pi_behav, unbiased and >= 0 on samples drawn from pi_behav), and the token count (0-d
+    tensors: no host synchronisation)."""
     log_r = ((learner_logp - behaviour_logp) * mask.float()).detach()
     k3 = (torch.exp(log_r) - 1.0 - log_r) * mask.float()
-    return float(k3.sum()), int(mask.sum())
+    return k3.sum(), mask.sum()
 
 
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float | None, normalizer: float, replay_mask: torch.Tensor | None = None,
                 shaping_beta: float | None = None, proximal_logp: torch.Tensor | None = None,
-                correction: str = "token_truncate", cap: float = 2.0,
-                segments: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                correction: str = "token_truncate", cap: float = 2.0, segments: torch.Tensor | None = None,
+                n_segments: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dr.GRPO token-sum loss over fresh and (ExGRPO) replayed tokens.
 
     logp, behaviour_logp, mask, replay_mask: (N, T); advantages: (N,) per row, or (N, T) per token
@@ -178,7 +192,8 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
       when `shaping_beta` is None; never clipped.
     - with `proximal_logp` (fresh tokens only): the ratio is against pi_prox and every fresh token's
       term is multiplied by the `correction` weight of pi_prox/pi_behav (see `behaviour_weights`).
-    Returns the loss (already divided by `normalizer`) and detached statistics.
+    Returns the loss (already divided by `normalizer`) and detached statistics as 0-d tensors, read by
+    the caller once per step (no host synchronisation per micro-batch).
     """
     maskf = mask.float()
     fresh = mask if replay_mask is None else mask & ~replay_mask
@@ -187,31 +202,32 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
     ratio = torch.exp((logp - anchor) * maskf)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     per_token = -adv * ratio
-    clipped_frac = torch.zeros(())
+    n_fresh = freshf.sum()
+    clipped_frac = torch.zeros((), device=logp.device)
     if clip_eps is not None:
         clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-        clipped_frac = ((clipped > per_token).float() * freshf).sum() / freshf.sum().clamp(min=1)
+        clipped_frac = ((clipped > per_token).float() * freshf).sum() / n_fresh.clamp(min=1)
         per_token = torch.where(fresh, torch.maximum(per_token, clipped), per_token)
-    stats: dict[str, float] = {}
+    stats: dict[str, torch.Tensor] = {}
     if proximal_logp is not None:
-        w, w_stats = behaviour_weights(proximal_logp, behaviour_logp, fresh, correction, cap, segments)
+        w, w_stats = behaviour_weights(proximal_logp, behaviour_logp, fresh, correction, cap, segments, n_segments)
         per_token = torch.where(fresh, w * per_token, per_token)
         stats.update(w_stats)
+    r = ratio.detach()
     if replay_mask is not None:
         shaped = ratio / (ratio + shaping_beta) if shaping_beta is not None else ratio
         per_token = torch.where(replay_mask, -adv * shaped, per_token)
         rep = (replay_mask & mask).float()
         n_rep = rep.sum()
-        stats["replay_w_mean"] = float((ratio.detach() * rep).sum() / n_rep.clamp(min=1))
-        stats["replay_w_max"] = float((ratio.detach() * rep).max()) if n_rep > 0 else 0.0
-        stats["replay_tokens"] = float(n_rep)
+        stats["replay_w_mean"] = (r * rep).sum() / n_rep.clamp(min=1)
+        stats["replay_w_max"] = (r * rep).max()  # 0 without replayed tokens (every ratio is positive)
+        stats["replay_tokens"] = n_rep
     loss = (per_token * maskf).sum() / normalizer
-    n_fresh = freshf.sum().clamp(min=1)
     stats.update({
-        "ratio_mean": float((ratio.detach() * freshf).sum() / n_fresh),
-        "ratio_max": float((ratio.detach() * freshf).max()) if fresh.any() else 1.0,
-        "clip_frac": float(clipped_frac),
-        "tokens": float(maskf.sum()),
+        "ratio_mean": (r * freshf).sum() / n_fresh.clamp(min=1),
+        "ratio_max": torch.where(n_fresh > 0, (r * freshf).max(), torch.ones((), device=r.device)),
+        "clip_frac": clipped_frac,
+        "tokens": maskf.sum(),
     })
     return loss, stats
 
@@ -219,6 +235,9 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
 def rows_logprobs(model: torch.nn.Module, rows, device: torch.device, temperature: float, with_entropy: bool = False,
                   bf16: bool = False):
     """`token_logprobs` over a `learner.packing.Rows` layout."""
-    am = rows.attention_mask.to(device) if rows.attention_mask is not None else None
-    pos = rows.position_ids.to(device) if rows.position_ids is not None else None
-    return token_logprobs(model, rows.input_ids.to(device), am, temperature, with_entropy, bf16=bf16, position_ids=pos)
+    am = to_device(rows.attention_mask, device) if rows.attention_mask is not None else None
+    pos = to_device(rows.position_ids, device) if rows.position_ids is not None else None
+    seg = (segments_from_positions(rows.position_ids, device)
+           if rows.position_ids is not None and wants_segments(model) else None)
+    return token_logprobs(model, to_device(rows.input_ids, device), am, temperature, with_entropy, bf16=bf16,
+                          position_ids=pos, segments=seg)

@@ -29,8 +29,8 @@ from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
 from learner.loss_scale import LossScale
 from learner.policy import Policy
-from learner.update import (Batch, StepSettings, UpdateResult, cut_micro_batches, micro_step, optimizer_step, Phase,
-                            read_phases, add_group, assemble, empty_batch, forwarded, minibatch_order)
+from learner.update import (Batch, StepSettings, UpdateResult, add_group, assemble, cut_micro_batches, empty_batch,
+                            finish_result, forwarded, micro_step, minibatch_order, optimizer_step, Phase, read_phases)
 
 
 class WholeBatch:
@@ -93,6 +93,7 @@ class Accumulator:
             with Phase(self.res, "optimizer", self.policy.device):
                 optimizer_step(self.policy.forward, self.policy.opt, self.cfg.learner, updates_before, self.res)
             read_phases(self.res)
+            finish_result(self.res)
         finally:
             self.policy.model.eval()
         return self.batch, self.res

@@ -86,6 +86,14 @@ def pack_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return Rows(ids, None, pos, seq >= 0, seq, [len(c) for c in completions])
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU from pinned memory, without blocking: a copy from pageable
+    memory would first wait for everything queued on the stream (a host synchronisation per input)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def layout(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_tokens: int | None) -> Rows:
     """Packed rows under a token budget, else one padded row per sequence."""
     return pack_rows(prompts, completions, pad_id, max_tokens) if max_tokens else pad_rows(prompts, completions, pad_id)

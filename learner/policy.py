@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
+from learner import attention
 from learner.grpo import LogProbs
 from learner.model import load_policy, named_parameters_for_sync
 from learner.packing import micro_batches
@@ -65,12 +66,18 @@ class Policy:
                              "exgrpo_async.precision.resolve chooses them for the machine first")
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)  # fp32 master weights
+        self.bf16 = L.mixed_precision == "bf16"
+        self.attention = attention.resolve(L.attention, device, self.bf16)
+        attention.use(self.model, self.attention)
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.forward = shard(self.model, L.mixed_precision) if ranks.world > 1 else LogProbs(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay)
+        # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay,
+                                     fused=device.type == "cuda")
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.bf16 = L.mixed_precision == "bf16"
+        attention.check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)
+        log.info("learner attention: %s", self.attention)
 
     # ------------------------------------------------------------------ the collective operations
     def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:

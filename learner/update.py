@@ -29,7 +29,7 @@ from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
 from learner.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
 from learner.loss_scale import LossScale
-from learner.packing import Rows, layout, micro_batches
+from learner.packing import Rows, layout, micro_batches, to_device
 from learner.ranks import Ranks, split_by_tokens
 
 log = logging.getLogger("exgrpo_async.learner")
@@ -157,8 +157,9 @@ def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device
         part = parts[p] if p < len(parts) else []
         rows = _rows([seqs[k] for k in part] or [filler], pad_id, L)
         logp = rows_logprobs(model, rows, device, temperature, bf16=L.mixed_precision == "bf16")
-        for k, v in zip(part, rows.split(logp)):
-            out[keys[k]] = v.float().cpu()
+        if part:
+            for k, v in zip(part, rows.split(logp.float().cpu())):  # one transfer per pass
+                out[keys[k]] = v
     return out
 
 
@@ -246,7 +247,7 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
     for mb, (mb_idx, shares) in enumerate(plan):
         scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
         opt.zero_grad(set_to_none=True)
-        mb_loss = 0.0
+        mb_loss = torch.zeros((), device=device)
         micro = [cut_micro_batches(seqs, x, L) for x in shares]
         for j in range(max(len(m) for m in micro)):
             idx = micro[ranks.rank][j] if j < len(micro[ranks.rank]) else []
@@ -259,6 +260,7 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
         with Phase(res, "optimizer", device):
             optimizer_step(model, opt, L, updates_before + res.updates, res)
     read_phases(res)
+    finish_result(res)
     if ranks.world > 1:
         _reduce_result(res, ranks)
     return res
@@ -303,61 +305,89 @@ def _reduce_result(res: UpdateResult, ranks: Ranks) -> None:
 
 
 def micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, scale: LossScale, cfg: RunConfig,
-                settings: StepSettings, device, pad_id: int, res: UpdateResult) -> float:
-    """Forward, loss and backward of one micro-batch; returns its loss (already on the mini-batch's scale)."""
+               settings: StepSettings, device, pad_id: int, res: UpdateResult) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; returns its loss (already on the mini-batch's scale) as
+    a 0-d tensor. Nothing here waits for the device: what each sequence is (replayed, the learner's own
+    version) is known on the host, inputs go over from pinned memory, statistics stay tensors until
+    `finish_result` reads the whole step's at once."""
     L, X = cfg.learner, cfg.exgrpo
     with Phase(res, "forward", device):
         micro = [seqs[i] for i in idx]
         rows = _rows(micro, pad_id, L)
-        mask = rows.target_mask.to(device)
+        mask = to_device(rows.target_mask, device)
         with_entropy = L.entropy_coef > 0
         out = rows_logprobs(model, rows, device, cfg.rollout.temperature, with_entropy, bf16=L.mixed_precision == "bf16")
         logp, entropy = out if with_entropy else (out, None)
-        behav = rows.place([s.logprobs for s in micro]).to(device)
-        replay_tok = rows.per_token(torch.tensor([s.replay for s in micro])).to(device)  # a replayed sequence's tokens
-        if not X.importance_correction and replay_tok.any():  # ablation: pi_past := current recompute
+        behav = to_device(rows.place([s.logprobs for s in micro]), device)
+        any_replay = any(s.replay for s in micro)
+        replay_tok = to_device(rows.per_token(torch.tensor([s.replay for s in micro])), device)  # replayed tokens
+        if not X.importance_correction and any_replay:  # ablation: pi_past := current recompute
             behav = torch.where(replay_tok, logp.detach(), behav)
-        adv = rows.per_token(torch.tensor([s.advantage for s in micro], dtype=torch.float32)).to(device)
+        adv = to_device(rows.per_token(torch.tensor([s.advantage for s in micro], dtype=torch.float32)), device)
         if mb == 0:
             prox = logp.detach()
         else:  # recomputed before the first update; replayed rows keep their own slot
-            prox = rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]).to(device)
+            prox = to_device(rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]), device)
         correcting = L.off_policy_correction != "none"
-        own_version = rows.per_token(torch.tensor([s.staleness == 0 for s in micro])).to(device)
-        _mismatch_stats(prox, behav, mask, replay_tok, own_version, mb == 0 or correcting, mb == 0, res)
+        own = [s.staleness == 0 for s in micro]
+        own_version = to_device(rows.per_token(torch.tensor(own)), device)
+        _mismatch_stats(prox, behav, mask, replay_tok, own_version, mb == 0 or correcting, mb == 0 and any(own), res)
         loss, st = policy_loss(logp, behav, adv, mask, settings.clip, scale.denominator,
-                               replay_mask=replay_tok if bool(replay_tok.any()) else None,
+                               replay_mask=replay_tok if any_replay else None,
                                shaping_beta=X.shaping_beta, proximal_logp=prox if correcting else None,
-                               correction=L.off_policy_correction, cap=L.off_policy_cap, segments=rows.seq_index.to(device))
+                               correction=L.off_policy_correction, cap=L.off_policy_cap,
+                               segments=to_device(rows.seq_index, device), n_segments=len(micro))
         if settings.nan_drill:  # fault drill (config)
             loss = loss * float("nan")
         if entropy is not None:
             loss = loss - L.entropy_coef * scale.reduce(entropy, mask)
-            st["entropy_sum"] = float((entropy.detach() * mask).sum())
+            st["entropy_sum"] = (entropy.detach() * mask).sum()
     with Phase(res, "backward", device):
         loss.backward()
     res.stats.append(st)
     if X.pi_past == "learner":
         for i, v in zip(idx, rows.split(prox)):
             if seqs[i].collect:
-                res.pi_past[i] = v.float().cpu()
-    return float(loss.detach())
+                res.pi_past[i] = v.float()  # to the host in finish_result
+    return loss.detach()
 
 
-def _mismatch_stats(prox, behav, mask, replay_tok, own_version_tok, kl_valid: bool, first: bool,
+def _mismatch_stats(prox, behav, mask, replay_tok, own_version_tok, kl_valid: bool, diff: bool,
                     res: UpdateResult) -> None:
     """KL(pi_behav || pi_prox) over fresh tokens, and over tokens sampled with the learner's own version
-    (pure numerics), while prox is the pre-update policy; max |logp diff| on the latter."""
+    (pure numerics), while prox is the pre-update policy; with `diff` (the first mini-batch, some sequence
+    of the learner's own version in it) the max |logp diff| on the latter. All 0-d tensors."""
     fresh = ~replay_tok & mask
     own_version = fresh & own_version_tok
     if kl_valid:
         for key, m in (("mismatch", own_version), ("behaviour", fresh)):
             total, n = mismatch_kl(prox, behav, m)
-            res.kl[key][0] += total
-            res.kl[key][1] += n
-    if first and own_version.any():
-        d_ = float(((prox - behav).abs() * own_version).max())
-        res.diff_max = d_ if res.diff_max is None else max(res.diff_max, d_)
+            res.kl[key][0] = res.kl[key][0] + total
+            res.kl[key][1] = res.kl[key][1] + n
+    if diff:
+        d_ = torch.where(own_version, (prox - behav).abs(), torch.full_like(prox, -1.0)).max()
+        res.diff_max = d_ if res.diff_max is None else torch.maximum(torch.as_tensor(res.diff_max), d_)
+
+
+def finish_result(res: UpdateResult) -> None:
+    """Read the step's statistics off the device in one transfer: losses, micro-batch stats, KL sums,
+    the max log-prob diff and the collected pi_past become host numbers."""
+    tensors = [t for t in res.losses if isinstance(t, torch.Tensor)]
+    tensors += [v for st in res.stats for v in st.values() if isinstance(v, torch.Tensor)]
+    tensors += [v for pair in res.kl.values() for v in pair if isinstance(v, torch.Tensor)]
+    if isinstance(res.diff_max, torch.Tensor):
+        tensors.append(res.diff_max)
+    at = tensors[0].device if tensors else None
+    values = iter(torch.stack([t.detach().double().reshape(()).to(at) for t in tensors]).tolist() if tensors else [])
+    host = lambda v: next(values) if isinstance(v, torch.Tensor) else v  # noqa: E731 (in the order collected)
+    res.losses = [host(v) for v in res.losses]
+    res.stats = [{k: host(v) for k, v in st.items()} for st in res.stats]
+    kl = {k: [host(a), host(b)] for k, (a, b) in res.kl.items()}
+    res.kl = {k: [a, int(b)] for k, (a, b) in kl.items()}
+    if res.diff_max is not None:
+        d = host(res.diff_max)
+        res.diff_max = d if d >= 0 else None
+    res.pi_past = {i: t.cpu() for i, t in res.pi_past.items()}
 
 
 def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
