@@ -48,7 +48,7 @@ class WeightSyncExtension:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         rank = 1 + int(getattr(self, "rank", 0))  # rank 0 is the learner
         device = torch.device("cpu") if backend == "gloo" else self.device
-        # on GPU two bucket-sized receive buffers beside vLLM's memory share, not a copy of the model
+        # on GPU a fresh buffer per bucket (freed once loaded), not a copy of the model
         self._ws = WeightReceiver(host, port, prefix, rank, world_size, backend, device, timeout_s, ring=backend != "gloo")
         return True
 

@@ -19,10 +19,15 @@ Protocol of one sync (learner side `WeightPublisher.send`, worker side `WeightRe
   (`NCCL_GRACE_S`), so its watchdog, which would end the whole learner process, never fires first.
 
 Receive buffers: on CPU (gloo) a worker keeps one flat buffer per bucket across syncs (the pre-packed
-reload replays views into them, actors/cpu_reload.py). On GPU (`ring=True`) it keeps two bucket-sized
-buffers and receives into them in turn, so a TP worker holds at most two buckets beside vLLM's memory
-share, not a copy of the model; a receive whose buckets must outlive the next one (in-flight updates
-stage the whole broadcast before the engine pauses) copies each bucket to host memory as it arrives.
+reload replays views into them, actors/cpu_reload.py). On GPU (`ring=True`) each bucket is received
+into a fresh buffer from the caching allocator, never into one a loader may still read (vLLM's
+layerwise reload holds a fused layer's first tensors until its last one arrives, possibly a bucket
+later); a TP worker then holds the buckets in flight and those the loader keeps, not a copy of the
+model. A receive whose buckets must outlive the load (in-flight updates stage the whole broadcast
+before the engine pauses) copies each bucket to host memory as it arrives.
+
+Every group's first collective is a bounded 1-element broadcast (`warm_up`): NCCL forms its
+communicator lazily inside the first collective, blocking the caller until every rank has come.
 
 The store listens on the learner's `transport.host` only. Neither it nor the broadcasts are encrypted or
 authenticated: keep them on a trusted network (docs/architecture.md, Security).
@@ -94,6 +99,36 @@ def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     opts.rootRank = 0
     opts.rootTensor = 0
     return pg.broadcast([tensor], opts)
+
+
+def warm_up(pg: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+    """One 1-element broadcast, bounded by `timeout_s`, as soon as a group is formed, on every rank of it.
+
+    NCCL builds its communicator lazily, inside a group's first collective, and that handshake blocks the
+    calling thread until every rank has joined: a peer that asked for its group and then stalled would
+    hold the sync thread there, out of `wait_all`'s reach, with a buffer set checked out. So the first
+    collective runs in a helper thread, and a group whose handshake misses the deadline is aborted
+    (`SyncTimeout`). With gloo the rendezvous already happened when the group was built; this is one
+    more tiny broadcast."""
+    box: dict = {}
+
+    def first() -> None:
+        try:
+            box["work"] = _broadcast(pg, torch.zeros(1, device=device))
+        except BaseException as e:  # surfaced below
+            box["error"] = e
+
+    t0 = time.monotonic()
+    helper = threading.Thread(target=first, name="ws-warm-up", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        # abort from yet another thread: NCCL may hold the group's lock through the blocked handshake
+        threading.Thread(target=pg.abort, name="ws-abort", daemon=True).start()
+        raise SyncTimeout(f"weight-sync group not formed after {timeout_s:.0f}s (a peer never joined the handshake)")
+    if "error" in box:
+        raise box["error"]
+    wait_all([box["work"]], max(0.0, timeout_s - (time.monotonic() - t0)))
 
 
 def wait_all(works: list[dist.Work], timeout_s: float, poll_s: float = 0.001) -> None:
@@ -255,8 +290,9 @@ class WeightPublisher:
         the master outlives a rendezvous still pending when the process exits."""
         self.close_group(key)
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-        self.groups[key] = make_group(self.host, self.port, f"ws/{key}/", 0, world_size, self.backend,
-                                      self.timeout_s, store=store)
+        pg = make_group(self.host, self.port, f"ws/{key}/", 0, world_size, self.backend, self.timeout_s, store=store)
+        warm_up(pg, self.device, self.timeout_s)  # raises SyncTimeout (group aborted) if a worker never comes
+        self.groups[key] = pg
 
     def send(self, key: str, flat: list[torch.Tensor]) -> float:
         """Broadcast the given packed buckets to one actor's group; returns seconds spent. A broadcast
@@ -290,38 +326,39 @@ class WeightPublisher:
 class WeightReceiver:
     """Worker side (inside a vLLM worker process): joins its actor's group and yields received buckets.
 
-    `ring=False` (CPU): one persistent buffer per bucket. `ring=True` (GPU): two bucket-sized buffers
-    used in turn, so a bucket's views are valid until the consumer asks for the bucket after next."""
+    `ring=False` (CPU): one persistent buffer per bucket. `ring=True` (GPU): a fresh buffer per bucket
+    from the caching allocator, so a bucket's views stay valid for as long as the consumer keeps them."""
 
     def __init__(self, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
                  device: torch.device, timeout_s: float, ring: bool = False):
         self.device, self.ring = device, ring
         self.pg = make_group(host, port, prefix, rank, world_size, backend, timeout_s)
-        self._bufs: list[torch.Tensor] = []  # kept across syncs: fresh large buffers cost page faults
+        warm_up(self.pg, device, timeout_s)
+        self._bufs: list[torch.Tensor] = []  # CPU: kept across syncs (fresh large buffers cost page faults)
         self._plan: list[tuple[str, int]] = []
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The flat receive buffers (one per bucket), reused while the bucket plan stays the same; with
-        `ring`, the two byte buffers buckets take turns in."""
+        """The flat receive buffers (one per bucket), reused while the bucket plan stays the same; none
+        with `ring` (each bucket gets a fresh one)."""
         return self._bufs
 
     def _buffer(self, i: int, dtype: str, n: int) -> torch.Tensor:
         if not self.ring:
             return self._bufs[i]
-        dt = getattr(torch, dtype)
-        return self._bufs[i % 2][:n * dt.itemsize].view(dt)
+        # GPU: a fresh buffer per bucket from the caching allocator. A loader may keep views of a bucket
+        # until a fused layer is complete (vLLM's layerwise reload copies a layer only once all its
+        # tensors arrived, and a fused gate/up may span two buckets): memory that a live view points
+        # into is never handed out again, and NCCL records its stream on the buffer, so a freed one is
+        # reused only after its broadcast has finished.
+        return torch.empty(n, dtype=getattr(torch, dtype), device=self.device)
 
     def receive(self, meta: Meta, keep: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) views while the next bucket is still in flight. With `ring`
         and `keep` (the caller holds every bucket until the end), each bucket is copied to host memory."""
         plan = [(b[0][1], sum(_numel(shape) for _, _, shape in b)) for b in meta]
-        if plan != self._plan:
-            if self.ring:
-                most = max((n * getattr(torch, dt).itemsize for dt, n in plan), default=0)
-                self._bufs = [torch.empty(most, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(plan)))]
-            else:
-                self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
+        if plan != self._plan and not self.ring:
+            self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
             self._plan = plan
 
         def start(i: int):

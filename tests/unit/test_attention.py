@@ -108,3 +108,12 @@ def test_varlen_on_packed_rows_matches_each_sequence_alone_on_gpu():
             outs.append(rows.split(rows_logprobs(model, rows, dev, 1.0, bf16=True).float().cpu()))
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, rtol=0, atol=0.05)  # bf16 compute, two kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_start_up_check_passes_varlen_on_gpu():
+    dev = torch.device("cuda")
+    model = build_model(0).to(dev).eval()
+    attention.use(model, "varlen")
+    attention.check_no_cross_attention(model, model.config.vocab_size, dev, bf16=True)

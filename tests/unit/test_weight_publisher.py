@@ -73,7 +73,10 @@ def _receiver(pub: WeightPublisher, key: str, ring: bool = False):
     return out["rx"]
 
 
-def test_ring_receiver_holds_two_bucket_buffers_and_delivers_every_tensor():
+def test_gpu_style_receiver_never_rewrites_a_bucket_the_loader_still_holds():
+    """`ring=True` (the GPU receiver) with a loader that keeps every bucket's views to the end, as vLLM's
+    layerwise reload keeps a fused layer's first tensors until its last one arrives: each view still
+    holds what was sent (a receiver rotating two buffers would have written bucket i+2 over bucket i)."""
     import threading
     import time
 
@@ -89,13 +92,41 @@ def test_ring_receiver_holds_two_bucket_buffers_and_delivers_every_tensor():
         sender.start()
         got = {}
         for bucket in rx.receive(meta, keep=keep):
-            time.sleep(0.05)  # a slow load: the next bucket lands meanwhile, and must not land here
-            got.update((n, t.clone()) for n, t in bucket)
+            time.sleep(0.05)  # a slow load: the next buckets land meanwhile
+            got.update(bucket)  # views, not copies
         sender.join(10)
         assert got.keys() == dict(named).keys() and all(torch.equal(got[n], t) for n, t in named)
-        assert len(rx.buffers) == 2 and all(b.numel() == 4 * 64 for b in rx.buffers)  # two buckets' bytes, not the model
+        assert rx.buffers == []  # no buffers kept between syncs
     rx.close()
     pub.close_group("r")
+
+
+def test_a_group_whose_handshake_never_completes_is_aborted_at_the_deadline():
+    """NCCL forms a communicator inside the first collective and blocks there until every rank comes:
+    `warm_up` runs that first broadcast in a helper thread and gives up at the deadline, aborting the group."""
+    import threading
+    import time
+
+    import pytest
+
+    from exgrpo_async.weight_sync import SyncTimeout, warm_up
+
+    class Handshake:  # a group whose first collective blocks its caller until abort()
+        def __init__(self):
+            self.aborted = threading.Event()
+
+        def broadcast(self, tensors, opts):
+            self.aborted.wait(30)
+            raise RuntimeError("aborted")
+
+        def abort(self):
+            self.aborted.set()
+
+    pg = Handshake()
+    t0 = time.monotonic()
+    with pytest.raises(SyncTimeout, match="never joined"):
+        warm_up(pg, torch.device("cpu"), 0.5)
+    assert 0.5 <= time.monotonic() - t0 < 3 and pg.aborted.wait(2)
 
 
 def test_a_broadcast_the_peer_never_takes_times_out_and_aborts_only_its_group():
