@@ -16,11 +16,13 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
                do), sdpa against varlen attention, foreach against fused AdamW: tokens/s, phase times,
                peak memory against learner/memory_model.py, MFU counted two ways
- 8. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
+ 8. profile    the 1.5B step's GPU time by kernel category; the step with the head at 512-position chunks
+               and without gradient checkpointing
+ 9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
- 9. sync       ops/bench/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
+10. sync       ops/bench/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
                receive-buffer hazard (a loader keeping a view past the next bucket) on CUDA streams
-10. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
+11. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
                host, and whether weight sync's deadline frees it (last: it may leave a thread stuck)
 
     ops/gpu-check --out OUT                      # on the GPU machine (PYTHONUNBUFFERED, wheels, this file)
@@ -44,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import gpu_check_sections as sec  # noqa: E402
 
-SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "memory_7b", "sync", "stall"]
+SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "sync",
+            "stall"]
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ TINY_7B = Shape("tiny (7B stand-in)", 96, 192, 3, 4, 2, 640, False)
 
 class Context:
     def __init__(self, device: str, tiny: bool, steps: int):
-        self.device = torch.device(device)
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.tiny, self.steps = tiny, steps
         self.keep: dict = {}
@@ -417,6 +417,89 @@ def step_15b(ctx: Context) -> dict:
         ctx.free()
     ctx.keep["model_15b"] = model
     return r
+
+
+# ------------------------------------------------------------------------------------------ 7b. profile
+CATEGORIES = (("attention", ("flash", "fmha", "sdpa", "attn")), ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+              ("optimizer", ("multi_tensor", "adam")), ("nccl", ("nccl",)),
+              ("copy_cast", ("copy", "cast")), ("reduce", ("reduce", "softmax", "logsumexp", "norm")))
+
+
+def _category(kernel: str) -> str:
+    k = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(x in k for x in keys)), "elementwise_other")
+
+
+def profile(ctx: Context) -> dict:
+    """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
+    trains): kernel time by category over one step; then the step with the head's chunk at 512 positions
+    (the CPU default) against the device-sized one, and without gradient checkpointing."""
+    from learner import attention as att
+    from learner import grpo
+    from learner.grpo import LogProbs
+    from learner.ranks import Ranks
+    from learner.update import StepSettings, update_policy
+
+    s = TINY_15B if ctx.tiny else QWEN25_15B
+    budget, max_new = (512, 96) if ctx.tiny else (16384, 3072)
+    prompt, comp = ((8, 24), (16, 96)) if ctx.tiny else ((100, 600), (200, 3072))
+    cfg = _step_cfg("qwen2.5-math-1.5b-8gpu.toml", budget, max_new)
+    model = _model(s, s.layers, ctx.device, max_positions=budget)
+    att.use(model, "varlen" if att.varlen_available(ctx.device) else "per_sequence")
+    forward, ranks = LogProbs(model), Ranks(0, 1, ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
+    batch = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
+    step = lambda k: update_policy(forward, opt, batch(k), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k, ranks)  # noqa: E731
+    r = {"head_chunk_auto": grpo.logit_chunk(s.vocab, ctx.device)}
+    auto = grpo.logit_chunk
+    for name, checkpointing, chunk in (("checkpointing_chunk_auto", True, None), ("checkpointing_chunk_512", True, 512),
+                                       ("no_checkpointing_chunk_auto", False, None)):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
+        try:
+            step(0)
+            base = ctx.reset_peak()
+            times, tokens = [], 0
+            for k in range(ctx.steps):
+                ctx.sync()
+                t0 = time.perf_counter()
+                step(k + 1)
+                ctx.sync()
+                times.append(time.perf_counter() - t0)
+                tokens += sum(len(q.prompt) + len(q.completion) for q in batch(k + 1))
+            flops = sum(_flops(s, s.layers, [len(q.prompt) + len(q.completion) for q in batch(k + 1)], None)
+                        for k in range(ctx.steps))
+            r[name] = {"seconds_per_step": sum(times) / len(times), "tokens_per_s": tokens / sum(times),
+                       "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
+                       "mfu_6n_causal": flops / sum(times) / ctx.peak_flops if ctx.peak_flops else None}
+            if name == "checkpointing_chunk_auto" and ctx.cuda:
+                r["kernel_time_by_category"] = _by_category(lambda: step(99))
+        finally:
+            grpo.logit_chunk = auto
+    return r
+
+
+def _by_category(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile as prof_
+
+    with prof_(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) / 1e3
+        if t <= 0:
+            continue
+        c = _category(e.key)
+        totals[c] = totals.get(c, 0.0) + t
+        top[e.key[:80]] = t
+    whole = sum(totals.values())
+    return {"total_ms": whole, "share": {c: round(t / whole, 3) for c, t in sorted(totals.items(), key=lambda x: -x[1])},
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda x: -x[1])[:12])}
 
 
 # ---------------------------------------------------------------------------------------- 8. memory_7b
