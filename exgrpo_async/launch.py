@@ -225,8 +225,10 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                     log.warning("actor %d exited with code %s; restarting it (%d/%d)", i + 1, c.returncode,
                                 restarts[i], cfg.actor.max_restarts)
                     children[1 + i] = _spawn(args, actor_envs[i], nice=actor_nice)
-            if any(r.poll() is not None and r.returncode != 0 for r in ranks[1:]):
-                log.error("a learner rank exited with an error; stopping the run (the lead cannot step without it)")
+            gone = [(k, r.returncode) for k, r in enumerate(ranks[1:], 1) if r.poll() is not None and r.returncode != 0]
+            if gone:
+                log.error("learner rank %d exited with %s; stopping the run (the lead cannot step without it)",
+                          gone[0][0], exit_description(gone[0][1]))
                 failed_run = True
                 break
             failed = [c for c in children[1:] if c.poll() is not None and c.returncode != 0]
@@ -240,6 +242,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         rc = _teardown(children + ranks[1:], wait_first=not stopping)
         for s, h in old.items():
             signal.signal(s, h)
+    rc = judge_ranks(rc, [r.returncode for r in ranks[1:]])
     summary = run_dir / "summary.json"
     if summary.exists():
         print_summary(json.loads(summary.read_text()))
@@ -250,6 +253,28 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         print("interrupted; every child process was stopped", flush=True)
         return 130
     return 1 if failed_run else rc  # the learner stopped by us exits 143: the run failed all the same
+
+
+def exit_description(code: int | None) -> str:
+    """'code 1', or 'signal 9 (SIGKILL)' for a negative Popen return code."""
+    if code is not None and code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def judge_ranks(lead_rc: int, follower_rcs: list[int | None]) -> int:
+    """The run's code from every learner rank's, whenever each ended: a follower that failed fails a run
+    whose lead succeeded (each failed rank logged by number with its code or signal)."""
+    rc = lead_rc
+    for k, code in enumerate(follower_rcs, 1):
+        if code not in (0, None):
+            log.error("learner rank %d exited with %s", k, exit_description(code))
+            if rc == 0:
+                rc = 1
+    return rc
 
 
 def _teardown(children: list[subprocess.Popen], wait_first: bool) -> int:

@@ -7,7 +7,9 @@ the other ranks load the same policy and follow rank 0's operations (learner/pol
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -17,21 +19,51 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.launch import new_run_dir, resolve_toy
 from exgrpo_async.layout import standalone_threads
 
+log = logging.getLogger("exgrpo_async.learner")
+
 
 def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
-    from learner.ranks import Ranks, end_rank_process
+    from learner.ranks import Ranks
 
     L = cfg.learner
     torch.set_num_threads(standalone_threads(cfg))
     ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
-    try:
+    if ranks.world == 1:
         cfg = _resolve_precision(cfg, ranks)
-        rc = _run_rank(cfg, run_dir, resume, ranks)
-    finally:
-        ranks.close()
-    if ranks.world > 1:
-        end_rank_process(rc)  # a clean exit that a gloo worker thread cannot abort
-    return rc
+        return _run_rank(cfg, run_dir, resume, ranks)
+    _end_together(ranks, _run_guarded(cfg, run_dir, resume, ranks))
+
+
+def _run_guarded(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
+    """A rank of several: its whole life, every way it can end turned into an exit code (0 done, 143
+    SIGTERM, 1 an exception, logged with its traceback)."""
+    try:
+        return _run_rank(_resolve_precision(cfg, ranks), run_dir, resume, ranks)
+    except SystemExit as e:  # the SIGTERM handler (exgrpo_async/cli.py) or an explicit exit
+        code = e.code if isinstance(e.code, int) else 1
+        log.warning("learner rank %d stopped (exit %d)", ranks.rank, code)
+        return code
+    except BaseException:  # noqa: BLE001: any failure ends this rank with its traceback logged
+        log.exception("learner rank %d failed", ranks.rank)
+        return 1
+
+
+def _end_together(ranks, rc: int) -> NoReturn:
+    """The one way a rank of several ends. After a clean run every rank meets in a final barrier, which
+    the lead enters only once it has finished everything (summary, report, closing): no rank tears its
+    transport down while another may still be in a collective, and a follower never exits while the
+    lead is alive. Then the process ends without the interpreter's finalization (`end_rank_process`: a
+    gloo worker thread can abort it); `os._exit` closes the group's sockets. A failed rank skips the
+    barrier: the launcher stops the others."""
+    from learner.ranks import end_rank_process
+
+    if rc == 0:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001: a peer gone at the very end: this rank's run still failed
+            log.exception("learner rank %d: the final barrier failed", ranks.rank)
+            rc = 1
+    end_rank_process(rc)
 
 
 def _resolve_precision(cfg: RunConfig, ranks) -> RunConfig:

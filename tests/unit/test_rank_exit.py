@@ -35,3 +35,68 @@ def test_end_rank_process_exits_with_its_code_and_flushes(tmp_path):
     assert p.stdout == "printed before the end\n"
     assert "to stderr before the end" in p.stderr
     assert "logged before the end" in log.read_text()
+
+
+# ---------------------------------------------------------------------------------- every way a rank ends
+def test_the_run_fails_when_any_rank_failed_whenever_it_ended(caplog):
+    from exgrpo_async.launch import judge_ranks
+
+    assert judge_ranks(0, [0, 0, 0]) == 0
+    assert judge_ranks(143, [0]) == 143  # the lead's own failure stands
+    with caplog.at_level("ERROR"):
+        assert judge_ranks(0, [0, -9, 1]) == 1  # the lead finished, two followers did not
+    assert "learner rank 2 exited with signal 9 (SIGKILL)" in caplog.text
+    assert "learner rank 3 exited with code 1" in caplog.text
+
+
+def test_every_way_a_rank_stops_becomes_its_exit_code(monkeypatch, caplog):
+    import learner.main as m
+    from learner.ranks import Ranks
+
+    ranks = Ranks(1, 2)
+    monkeypatch.setattr(m, "_resolve_precision", lambda cfg, r: cfg)
+    for outcome, code in ((lambda: 0, 0), (lambda: (_ for _ in ()).throw(SystemExit(143)), 143),
+                          (lambda: (_ for _ in ()).throw(RuntimeError("boom")), 1)):
+        monkeypatch.setattr(m, "_run_rank", lambda *a, f=outcome: f())
+        assert m._run_guarded(None, None, False, ranks) == code
+    assert "learner rank 1 failed" in caplog.text and "boom" in caplog.text
+
+
+FINAL_BARRIER = """
+import os, sys, time
+import torch.distributed as dist
+from learner.main import _end_together
+from learner.ranks import Ranks
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+if rank == 0:
+    time.sleep(2.0)  # the lead still writing its summary and report after "stop"
+print(f"done {time.time()}", flush=True)
+_end_together(Ranks(rank, 2), int(sys.argv[3]))
+"""
+
+
+def test_a_follower_does_not_end_before_the_lead_has_finished():
+    """Two gloo ranks end through `_end_together`; the lead finishes 2 s after the follower reached its
+    end. The follower's process must outlive the lead's work (the final barrier), and both exit 0."""
+    import socket
+    import time
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
+    s.close()
+    procs = [subprocess.Popen([sys.executable, "-c", FINAL_BARRIER, str(r), port, "0"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE) for r in (0, 1)]
+    ended: dict[int, float] = {}
+    deadline = time.time() + 120
+    while len(ended) < 2 and time.time() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.time()
+        time.sleep(0.02)
+    outs = [p.communicate(timeout=10)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lead_done = float(outs[0].split()[1])
+    assert ended[1] >= lead_done - 0.05  # the follower waited for the lead
