@@ -81,6 +81,17 @@ def placement(cores: list[int], num_actors: int, pin: bool, per_actor: int = 1) 
     return spare, [cores[(i % slots) * per_actor:(i % slots + 1) * per_actor] for i in range(num_actors)]
 
 
+def gpu_core_slices(cores: list[int], num_actors: int, pin: bool) -> tuple[set[int] | None, list[list[int] | None]]:
+    """CPU cores for a GPU run: each actor an equal contiguous slice of the node's cores (its vLLM engine
+    core, TP workers and verifier workers all run there), the learner the first slice and what does not
+    divide. A GPU actor pinned to one core would share it with all of those, and its verifier would run
+    out of its deadline (rewards silently 0). Fewer cores than processes, or `pin=False`: no pinning."""
+    if not pin or num_actors == 0 or len(cores) < num_actors + 1:
+        return None, [None] * num_actors
+    k = len(cores) // (num_actors + 1)
+    return set(cores[:k]) | set(cores[(num_actors + 1) * k:]), [cores[(i + 1) * k:(i + 2) * k] for i in range(num_actors)]
+
+
 def child_setup(cores: set[int] | None = None, nice: int = 0):
     """What a child runs before its program: die with the launcher, its cores, its priority."""
     def setup() -> None:
@@ -188,13 +199,15 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
     old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (run_dir / "learner.json").unlink(missing_ok=True)  # a resumed run's old address is stale
-        spare, actor_cores = placement(sorted(os.sched_getaffinity(0)), cfg.actor.num_actors, cfg.actor.pin_cores,
-                                       1 if gpu_plan else cfg.actor.engine.tensor_parallel_size)
+        cores = sorted(os.sched_getaffinity(0))
+        spare, actor_cores = (gpu_core_slices(cores, cfg.actor.num_actors, cfg.actor.pin_cores) if gpu_plan else
+                              placement(cores, cfg.actor.num_actors, cfg.actor.pin_cores,
+                                        cfg.actor.engine.tensor_parallel_size))
         learner_args = ["learner", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir),
                         *(["--resume"] if resume_dir else [])]
         learner_env = dict(env, OMP_NUM_THREADS=str(cfg.learner.threads))
         if gpu_plan:
-            learner_env["CUDA_VISIBLE_DEVICES"] = visible(gpu_plan.learner)
+            learner_env["CUDA_VISIBLE_DEVICES"] = visible(gpu_plan.learner, env.get("CUDA_VISIBLE_DEVICES"))
         ranks = [_spawn(learner_args, rank_env, spare)
                  for rank_env in learner_rank_envs(learner_env, cfg.learner.world_size)]
         learner = ranks[0]
@@ -214,7 +227,8 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                 args += ["--cpu-cores", ",".join(map(str, actor_cores[i]))]
             actor_args.append(args)
             actor_envs.append(dict(env, OMP_NUM_THREADS=str(cfg.actor.threads),
-                                   **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i])} if gpu_plan else {})))
+                                   **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i], env.get("CUDA_VISIBLE_DEVICES"))}
+                                      if gpu_plan else {})))
             children.append(_spawn(args, actor_envs[i], nice=actor_nice))
         restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:

@@ -37,9 +37,17 @@ def _ids(gpus: list[int]) -> str:
     return ",".join(str(g) for g in gpus)
 
 
-def visible(gpus: list[int]) -> str:
-    """CUDA_VISIBLE_DEVICES for a process that gets `gpus`."""
-    return _ids(gpus)
+def visible(gpus: list[int], parent: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES for a process that gets `gpus` (indices among the devices this process sees).
+    Under a preset `parent` list (a scheduler's partial node, a shared box), index i is the parent's i-th
+    entry, not physical GPU i: `train` under CUDA_VISIBLE_DEVICES=4,5,6,7 gives its learner GPU 4."""
+    if not parent or not parent.strip():
+        return _ids(gpus)
+    entries = [e.strip() for e in parent.split(",") if e.strip()]
+    if max(gpus, default=-1) >= len(entries):
+        raise PlacementError(f"the plan uses GPU {max(gpus)} but CUDA_VISIBLE_DEVICES={parent!r} lists "
+                             f"{len(entries)} device(s)")
+    return ",".join(entries[g] for g in gpus)
 
 
 def plan(cfg: RunConfig, node_gpus: int) -> Plan | None:

@@ -283,7 +283,11 @@ def band_warnings(acc: dict, band: dict = WARM_START_BAND) -> list[str]:
 
 
 def recipe_key(seed: int, sft_steps: int) -> str:
-    blob = json.dumps({"v": 3, "seed": seed, "sft_steps": sft_steps, "kinds": TEST_KINDS + SFT_ONLY_KINDS})
+    """The cache folder's key: the recipe and this file's source (any change to how the task, the model
+    or the warm start is made builds a fresh folder; a stale one is never reused)."""
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    blob = json.dumps({"v": 3, "seed": seed, "sft_steps": sft_steps, "kinds": TEST_KINDS + SFT_ONLY_KINDS,
+                       "source": source})
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

@@ -25,8 +25,8 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
         trap 'rm -f "$policy"' EXIT
     fi
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends prometheus
+    apt-get -o DPkg::Lock::Timeout=300 update -qq        # wait for another apt/dpkg instead of failing at once
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus
     if [ "$created_policy" -eq 1 ]; then
         rm -f "$policy"
         trap - EXIT

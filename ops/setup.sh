@@ -10,7 +10,6 @@ if [ "${EXGRPO_DEV:-0}" = 1 ]; then EXTRAS="$EXTRA,dev"; fi   # ops/test: pytest
 stamp=".venv/.setup-${EXTRAS/,/-}-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 if [ "$EXTRA" = cpu ]; then .venv/bin/python -m pip install -q "torch==2.13.0"; fi
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"

@@ -31,7 +31,8 @@ FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_no
 def test_train_runs_end_to_end(small, tmp_path):
     out = tmp_path / "runs"
     proc = subprocess.run(cli(["train", *small, "learner.max_steps=3", f"output_dir={out}",
-                               'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline"]),
+                               'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline",
+                               "learner.mixed_precision=bf16"]),  # the bf16 learner, run explicitly
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
@@ -43,6 +44,7 @@ def test_train_runs_end_to_end(small, tmp_path):
         assert all(math.isfinite(r[k]) for k in ("reward_mean", "loss", "grad_norm"))
         assert r["rollouts"] == 8 * 4 and r["staleness_max"] <= config["learner"]["max_staleness"]
     assert config["learner"]["max_steps"] == 3
+    assert (config["learner"]["mixed_precision"], config["model"]["dtype"]) == ("bf16", "float32")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["before"]["versions"] == [0] and summary["after"]["versions"] == [3]
     assert summary["syncs"] >= 2 * 3  # each actor received version 0 and at least the later ones it used

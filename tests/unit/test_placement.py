@@ -124,3 +124,29 @@ def test_an_actor_child_runs_nicer_on_its_cores():
     core = min(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", code], preexec_fn=child_setup({core}, 7), capture_output=True, text=True)
     assert out.stdout.split(maxsplit=1) == [str(os.nice(0) + 7), f"[{core}]\n"]
+
+
+def test_a_preset_cuda_visible_devices_is_honoured():
+    """Plan indices are positions among the devices `train` sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 the
+    learner's GPU 0 is physical GPU 4, not 0 (a scheduler's partial node)."""
+    from exgrpo_async.placement import visible
+
+    assert visible([0], None) == "0" and visible([1, 2], "") == "1,2"
+    assert visible([0], "4,5,6,7") == "4" and visible([2, 3], "4,5,6,7") == "6,7"
+    assert visible([1], "GPU-aa, GPU-bb") == "GPU-bb"  # UUIDs too
+    with pytest.raises(PlacementError, match="lists 2 device"):
+        visible([2], "4,5")
+
+
+def test_gpu_actors_get_a_real_share_of_the_cores():
+    """On a GPU run each actor gets an equal slice of the node's cores (engine, TP workers and verifier
+    workers share it), not one core; the learner the first slice and the remainder."""
+    from exgrpo_async.launch import gpu_core_slices
+
+    spare, actors = gpu_core_slices(list(range(64)), 7, True)
+    assert actors == [list(range(8 * (i + 1), 8 * (i + 2))) for i in range(7)]
+    assert spare == set(range(8))
+    spare, actors = gpu_core_slices(list(range(10)), 2, True)  # 3 slices of 3, core 9 left over
+    assert actors == [[3, 4, 5], [6, 7, 8]] and spare == {0, 1, 2, 9}
+    assert gpu_core_slices(list(range(64)), 7, False) == (None, [None] * 7)
+    assert gpu_core_slices([0, 1], 2, True) == (None, [None, None])  # fewer cores than processes
