@@ -353,15 +353,25 @@ def _flops(s: Shape, layers: int, lengths: list[int], rows_widths: list[int] | N
     return 6 * p * tokens + attn
 
 
+def _row_widths(batch: list, cfg, budget: int) -> list[int]:
+    """The packed rows' widths for the "as computed" FLOPs: the step's sequences cut into micro-batches
+    as one mini-batch (an approximation: the step cuts each of its mini-batches apart)."""
+    from learner.packing import pack_rows
+    from learner.update import cut_micro_batches
+
+    parts = cut_micro_batches(batch, list(range(len(batch))), cfg.learner)
+    return [pack_rows([batch[i].prompt for i in part], [batch[i].completion for i in part], 0,
+                      budget).input_ids.shape[1] for part in parts]
+
+
 def step_15b(ctx: Context) -> dict:
     """`update_policy` at the 1.5B shape as configs/qwen2.5-math-1.5b-8gpu.toml trains it (packed 16k
     rows, 2 mini-batches, gradient checkpointing), on each wrapper, attention backend and AdamW."""
     from learner import attention as att
-    from learner.packing import pack_rows
     from learner.policy import shard
     from learner.grpo import LogProbs
     from learner.ranks import Ranks
-    from learner.update import StepSettings, cut_micro_batches, update_policy
+    from learner.update import StepSettings, update_policy
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     budget, max_new = (512, 96) if ctx.tiny else (16384, 3072)
@@ -392,10 +402,7 @@ def step_15b(ctx: Context) -> dict:
         for k in range(ctx.steps):
             batch = seqs(k + 1)
             lengths = [len(q.prompt) + len(q.completion) for q in batch]
-            widths = [pack_rows([q.prompt for q in (batch[i] for i in part)], [q.completion for q in
-                                                                               (batch[i] for i in part)], 0,
-                                budget).input_ids.shape[1]
-                      for part in cut_micro_batches(batch, list(range(len(batch))), cfg.learner)]
+            widths = _row_widths(batch, cfg, budget)
             ctx.sync()
             t0 = time.perf_counter()
             res = update_policy(forward, opt, batch, 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k + 1, ranks)

@@ -115,7 +115,6 @@ def receive_hazard(device: torch.device, buckets: int = 6, numel: int = 1 << 22,
         sources = [torch.randn(numel, generator=g, device=device).bfloat16() for _ in range(buckets)]
         rx = WeightReceiver.__new__(WeightReceiver)
         rx.device, rx.ring, rx._bufs, rx._plan, rx._most = device, True, [], [], numel * 2
-        rx.pg = StreamGroup(device, sources)
         if mode.startswith("two"):
             rx._buffer = _two_slot_buffer.__get__(rx)
         wrong = {"immediate": 0, "deferred": 0}
