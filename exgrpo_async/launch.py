@@ -40,7 +40,8 @@ def _die_with_parent() -> None:
 
 
 def resolve_toy(cfg: RunConfig) -> RunConfig:
-    """Replace model.path="toy" by the cached warm-started policy and its train/test files."""
+    """Replace model.path="toy" by the cached warm-started policy and its train/test files (the test file
+    only where data.eval_file was left unset: an explicit `data.eval_file=none` turns evaluation off)."""
     if cfg.model.path != "toy":
         return cfg
     from exgrpo_async.toy import PROMPT_TEMPLATE, ensure_toy_assets
@@ -49,7 +50,8 @@ def resolve_toy(cfg: RunConfig) -> RunConfig:
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(paths["model"])
     cfg.data.train_files = cfg.data.train_files or [str(paths["train"])]
-    cfg.data.eval_file = cfg.data.eval_file or str(paths["test"])
+    if cfg.data.eval_file is None and "eval_file" not in cfg.data.model_fields_set:
+        cfg.data.eval_file = str(paths["test"])
     cfg.data.prompt_template = PROMPT_TEMPLATE
     return cfg
 

@@ -129,3 +129,20 @@ def test_none_words_set_optional_fields(tmp_path):
     assert load_config(p).exgrpo.shaping_beta is None and load_config(p).exgrpo.mu == 0.25
     with pytest.raises(ValueError, match="learner.lr"):
         load_config(None, ["learner.lr=none"])  # not optional: still an error
+
+
+@pytest.mark.parametrize("overrides,expected", [([], "TEST"), (["data.eval_file=none"], None),
+                                                (["data.eval_file=held.jsonl"], "held.jsonl")])
+def test_the_toy_test_set_is_the_default_eval_file_but_none_turns_it_off(tmp_path, monkeypatch, overrides, expected):
+    """With model.path="toy", an unset data.eval_file means the toy test set; an explicit none means no
+    held-out evaluation (it used to be replaced by the toy test set too), and survives config.json."""
+    import exgrpo_async.toy as toy
+    from exgrpo_async.launch import resolve_toy
+
+    paths = {"model": tmp_path / "m", "train": tmp_path / "train.jsonl", "test": tmp_path / "test.jsonl"}
+    monkeypatch.setattr(toy, "ensure_toy_assets", lambda *a, **k: paths)  # the warm start itself: not needed here
+    cfg = resolve_toy(load_config(None, ["model.path=toy", *overrides]))
+    want = str(paths["test"]) if expected == "TEST" else expected
+    assert cfg.data.eval_file == want and cfg.model.path == str(paths["model"])
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    assert resolve_toy(load_config(tmp_path / "config.json")).data.eval_file == want
