@@ -5,14 +5,19 @@ computes with. `FingerprintCheck.check` compares it with the fingerprint of the 
 sent it: a mismatch is counted (`weight_fingerprint_mismatches`), logged with the blocks that differ,
 and marks (actor, version) tainted, so that no rollout that actor generated with that version is
 trained on (`tainted`; the server re-issues its question and counts `fingerprint_rejected_groups`)
-and the server sends the weights again. A report the learner cannot compare (the version's fingerprint
-is no longer kept) is counted as `fingerprints_unchecked`.
+and the server sends the weights again. When the actor then reports a matching fingerprint for the
+same version (the learner had not moved on), the taint ends for work handed out from then on: work it
+held before stays rejected, being generated with the bad load. Without that, actors tainted at a
+version the learner cannot leave (every actor's load corrupted, no step possible) would have every
+rollout refused forever. A report the learner cannot compare (the version's fingerprint is no longer
+kept) is counted as `fingerprints_unchecked`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+import time
+from collections import Counter, OrderedDict
 
 from exgrpo_async.fingerprint import MASK, mismatched
 from exgrpo_async.weight_sync import WeightPublisher
@@ -27,7 +32,9 @@ KEEP_TAINTED = 1024  # (actor, version) pairs remembered
 class FingerprintCheck:
     def __init__(self, publisher: WeightPublisher, counters: Counter):
         self.publisher, self.counters = publisher, counters
-        self._tainted: deque[tuple[str, int]] = deque(maxlen=KEEP_TAINTED)
+        # (actor, version) -> None while tainted, or when the actor reported that version's weights right
+        # again (time.monotonic(), the dispatcher's clock): work handed out after that is clean
+        self._tainted: OrderedDict[tuple[str, int], float | None] = OrderedDict()
 
     def check(self, actor_id: str, version: int, reported) -> bool:
         """False if `reported` (an actor's fingerprint of `version`) differs from what was published."""
@@ -41,14 +48,26 @@ class FingerprintCheck:
             return True
         self.counters["fingerprints_checked"] += 1
         bad = mismatched(reported, want)
+        key = (actor_id, version)
         if not bad:
+            if key in self._tainted and self._tainted[key] is None:
+                self._tainted[key] = time.monotonic()
+                log.info("%s now runs the weights of version %d it was sent again", actor_id, version)
             return True
         self.counters["weight_fingerprint_mismatches"] += 1
-        self._tainted.append((actor_id, version))
+        self._tainted[key] = None
+        self._tainted.move_to_end(key)
+        while len(self._tainted) > KEEP_TAINTED:
+            self._tainted.popitem(last=False)
         log.error("%s does not run the weights of version %d it was sent: %d of %d blocks differ (%s); none of its "
                   "rollouts of that version are trained on, and its weights are sent again", actor_id, version,
                   len(bad), len(want), ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else ""))
         return False
 
-    def tainted(self, actor_id: str, version: int) -> bool:
-        return (actor_id, version) in self._tainted
+    def tainted(self, actor_id: str, version: int, dispatched_at: float) -> bool:
+        """Whether a group of `version` from `actor_id`, whose work was handed out at `dispatched_at`
+        (time.monotonic()), may have been generated with weights that failed the check."""
+        if (actor_id, version) not in self._tainted:
+            return False
+        clean_since = self._tainted[(actor_id, version)]
+        return clean_since is None or dispatched_at < clean_since

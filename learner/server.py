@@ -417,7 +417,7 @@ class LearnerServer:
         if item is not held:  # re-issued by the training loop meanwhile
             self._drop("unknown_work", "rollouts", f"rollouts for work {group.work_id}, re-issued meanwhile")
             return
-        if self.fingerprints.tainted(info.actor_id, group.policy_version):
+        if self.fingerprints.tainted(info.actor_id, group.policy_version, item.dispatched_at):
             self.counters["fingerprint_rejected_groups"] += 1
             self._give_back(item)
             return

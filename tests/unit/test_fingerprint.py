@@ -3,6 +3,7 @@ that change when any weight does, and the learner's check that counts, logs and 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -71,7 +72,16 @@ def test_a_mismatch_is_counted_and_taints_that_actor_and_version():
     assert check.check("actor-1", 4, want) and counters["fingerprints_checked"] == 1
     assert not check.check("actor-2", 4, {**want, "model": (want["model"] + 1) % 2**64})
     assert counters["weight_fingerprint_mismatches"] == 1
-    assert check.tainted("actor-2", 4) and not check.tainted("actor-1", 4) and not check.tainted("actor-2", 5)
+    held = time.monotonic()  # work actor-2 held while it ran the bad load
+    assert check.tainted("actor-2", 4, held) and not check.tainted("actor-1", 4, held)
+    assert not check.tainted("actor-2", 5, held)
+    # sent version 4 again (the learner had not moved on), actor-2 now reports it right: work handed out
+    # from then on is clean again, what it held before stays rejected
+    assert check.check("actor-2", 4, want) and counters["weight_fingerprint_mismatches"] == 1
+    after = time.monotonic()
+    assert check.tainted("actor-2", 4, held) and not check.tainted("actor-2", 4, after)
+    assert not check.check("actor-2", 4, {**want, "model": (want["model"] + 1) % 2**64})  # bad again
+    assert check.tainted("actor-2", 4, time.monotonic())
     assert check.check("actor-1", 3, {"model": 1}) and counters["fingerprints_unchecked"] == 1  # not kept: not judged
     for bad in ([1, 2], {"model": -1}, {"model": 2**64}, {"model": True}, {1: 2}):
         with pytest.raises(WireError):
