@@ -71,8 +71,8 @@ class DataConfig(_Strict):
     train_files: list[str] = []
     """Training question files (JSONL, JSON array or parquet). Empty with model.path="toy": the toy pool."""
     eval_file: str | None = None
-    """Held-out file scored before and after training (and every `eval_every` steps). None with the
-    toy model: the toy test set."""
+    """Held-out file scored before and after training (and every `eval_every` steps). Unset with the
+    toy model: the toy test set; set to none: no held-out evaluation."""
     prompt_template: str = "{problem}"
     """Python format string applied to the question text; `{problem}` is replaced."""
     system_prompt: str | None = None
@@ -227,8 +227,9 @@ class LearnerConfig(_Strict):
     learner`, any number of nodes) it must equal torchrun's WORLD_SIZE. Rank 0 keeps the server,
     dispatcher and experience buffer; the batch is split over the ranks by tokens."""
     rank_timeout_s: float = Field(3600.0, gt=0)
-    """How long a learner rank waits in any collective, including a follower waiting for rank 0's
-    next operation (rank 0 may wait that long for actors, e.g. during an evaluation)."""
+    """How long a learner rank waits in any collective (NCCL's watchdog, gloo's timeout). A follower
+    waits for rank 0's next operation outside any collective (learner/ranks.py), so rank 0's own work
+    between two operations (an evaluation, a checkpoint) is not bounded by this."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (transformers' gradient checkpointing, non-reentrant): activation memory per layer boundary only."""

@@ -8,6 +8,7 @@ the other ranks load the same policy and follow rank 0's operations (learner/pol
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,7 +32,17 @@ def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
     if ranks.world == 1:
         cfg = _resolve_precision(cfg, ranks)
         return _run_rank(cfg, run_dir, resume, ranks)
+    if not ranks.lead:
+        signal.signal(signal.SIGTERM, lambda *_: _follower_sigterm(ranks.rank))
     _end_together(ranks, _run_guarded(cfg, run_dir, resume, ranks))
+
+
+def _follower_sigterm(rank: int) -> None:
+    """A follower does not stop on its own: the lead stops every rank together ("stop", then the final
+    barrier), and a lead that is gone ends the follower's wait. A follower that left on SIGTERM while the
+    lead (SIGTERMed too, by `train`, Slurm or torchrun) still had to announce its stop would break that
+    broadcast: the lead's "Connection closed by peer" (ops/bench/rank_exit_stress.py)."""
+    log.warning("learner rank %d: SIGTERM; it ends when the lead stops the run", rank)
 
 
 def _run_guarded(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
@@ -50,16 +61,18 @@ def _run_guarded(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> in
 
 def _end_together(ranks, rc: int) -> NoReturn:
     """The one way a rank of several ends. After a clean run every rank meets in a final barrier, which
-    the lead enters only once it has finished everything (summary, report, closing): no rank tears its
+    the lead enters only once it has finished everything (summary, report, closing; the followers wait
+    for that outside the collective, `Ranks.meet_at_end`): no rank tears its
     transport down while another may still be in a collective, and a follower never exits while the
     lead is alive. Then the process ends without the interpreter's finalization (`end_rank_process`: a
     gloo worker thread can abort it); `os._exit` closes the group's sockets. A failed rank skips the
-    barrier: the launcher stops the others."""
+    barrier: the launcher stops the others. A lead stopped by SIGTERM (143) has announced its stop
+    like a finished one and meets the followers the same way."""
     from learner.ranks import end_rank_process
 
-    if rc == 0:
+    if rc in (0, 143):
         try:
-            dist.barrier()
+            ranks.meet_at_end()
         except Exception:  # noqa: BLE001: a peer gone at the very end: this rank's run still failed
             log.exception("learner rank %d: the final barrier failed", ranks.rank)
             rc = 1

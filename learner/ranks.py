@@ -7,7 +7,11 @@ and run it with the lead, so every collective (FSDP2's all-gathers and reduce-sc
 gather, the step's reductions) is entered by every rank in the same order.
 
 Announcements and results travel as msgpack in uint8 tensors over the default process group, never
-pickle. World size 1 has no process group: announcements are dropped and reductions are the identity.
+pickle. A follower waits for the next announcement outside any collective: on a key the lead sets in
+the group's TCP store just before it broadcasts (the store lives in the lead's process, so a lead that
+dies ends the wait at once). The collective timeout (`learner.rank_timeout_s`, NCCL's watchdog) then
+bounds only the collectives themselves, never the lead's own work in between (an evaluation, a
+checkpoint, the summary), however long that takes; the final barrier is entered the same way. World size 1 has no process group: announcements are dropped and reductions are the identity.
 The group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK),
 which `exgrpo-async train` sets for the ranks it starts itself.
 """
@@ -25,13 +29,17 @@ import torch
 import torch.distributed as dist
 
 MAX_MESSAGE_BYTES = 1 << 30  # one step's sequences; anything bigger is a bug
+FOLLOWER_POLL_S = 600.0  # a follower's wait for the lead in store waits this long each (c10d logs each timeout)
+BELL_KEYS_KEPT = 16  # announcements' keys the lead leaves in the store (a follower is at most one behind)
 
 
 class Ranks:
     """This process's place among the learner's ranks, and the few collectives the loop needs."""
 
-    def __init__(self, rank: int = 0, world: int = 1, device: torch.device = torch.device("cpu")):
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device = torch.device("cpu"),
+                 bell: dist.Store | None = None):
         self.rank, self.world, self.device = rank, world, device
+        self._bell, self._rung = bell, 0  # the store keys that say "the lead is ready", and how many so far
 
     @property
     def lead(self) -> bool:
@@ -55,21 +63,57 @@ class Ranks:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world, device)
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))  # torchrun's agent store too
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        return cls(rank, world, device, dist.PrefixStore("exgrpo/lead/", store))
 
     # ------------------------------------------------------------------ lead -> followers
     def announce(self, op: str, payload: dict[str, Any]) -> None:
         """Lead: tell the followers the next operation (they block in `receive` until it comes). A
         follower running the same operation calls this too, and nothing happens."""
         if self.world > 1 and self.lead:
+            self._rung += 1
+            self._ring(f"op/{self._rung}")
+            if self._rung > BELL_KEYS_KEPT:
+                self._bell.delete_key(f"op/{self._rung - BELL_KEYS_KEPT}")
             self._broadcast_bytes(msgpack.packb({"op": op, **payload}, use_bin_type=True))
 
     def receive(self) -> tuple[str, dict[str, Any]]:
-        """Follower: the next operation the lead announces, and its payload."""
+        """Follower: the next operation the lead announces, and its payload. Waits as long as the lead
+        takes to announce it, outside any collective (the module docstring says why)."""
+        self._rung += 1
+        self._wait_for_lead(f"op/{self._rung}")
         msg = msgpack.unpackb(self._broadcast_bytes(None), raw=False, strict_map_key=False)
         return msg.pop("op"), msg
+
+    def meet_at_end(self) -> None:
+        """Every rank: the final barrier, which the lead enters when it has finished everything; the
+        followers wait for that outside the collective, as for an announcement."""
+        if self.world == 1:
+            return
+        if self.lead:
+            self._ring("end")
+        else:
+            self._wait_for_lead("end")
+        dist.barrier()
+
+    def _ring(self, key: str) -> None:
+        if self._bell is not None:
+            self._bell.set(key, b"")
+
+    def _wait_for_lead(self, key: str) -> None:
+        """Block until the lead sets `key`. A store wait's timeout only means the lead is still busy; a
+        lead that is gone closes the store's connection, which raises here (DistNetworkError)."""
+        if self._bell is None:
+            return
+        while True:
+            try:
+                self._bell.wait([key], timedelta(seconds=FOLLOWER_POLL_S))
+                return
+            except dist.DistStoreError:
+                if self._bell.check([key]):
+                    return
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
