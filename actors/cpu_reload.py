@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actors import vllm_surface
+
 log = logging.getLogger(__name__)
 
 
@@ -58,9 +60,7 @@ def _is_onednn(module: torch.nn.Module) -> bool:
 
 
 def _original_loader(tensor: torch.Tensor) -> Callable:
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    loader = getattr(tensor, "weight_loader", default_weight_loader)
+    loader = getattr(tensor, "weight_loader", None) or vllm_surface.default_weight_loader()
     while getattr(loader, "__name__", "") == "online_process_loader":  # a layerwise-reload wrapper
         loader = loader.__wrapped__
     return loader
@@ -71,8 +71,7 @@ def _twin(proto: torch.Tensor, layer: torch.nn.Module, data: torch.Tensor) -> to
     `layer` (vLLM's reload metadata binds them to a sentinel) and unwrapped from layerwise wrappers."""
     from types import MethodType
 
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
-
+    layer_ref_sentinel = vllm_surface.reload_sentinel()
     attrs = {}
     for key, value in proto.__dict__.items():
         while getattr(value, "__name__", "") == "online_process_loader":
@@ -98,8 +97,6 @@ class PrepackedReload:
     """Pre-packed weight swap for one vLLM model on CPU (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module):
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
         self.model = model
         self.packed = [m for m in model.modules() if hasattr(m, "cpu_linear")]
         if not self.packed:
@@ -115,7 +112,7 @@ class PrepackedReload:
         for m in self.packed:
             w = m.weight
             if w.numel() == 0:  # vLLM dropped it after packing: rebuild from the recorded metadata
-                meta = get_layerwise_info(m).restore_metadata[0].get("weight")
+                meta = vllm_surface.layerwise_info(m).restore_metadata[0].get("weight")
                 if meta is None or meta.numel() == 0:
                     raise Unsupported(f"no restore metadata for {type(m).__name__}.weight")
                 plans.append((m, w, meta))
@@ -235,8 +232,7 @@ class PrepackedReload:
     @torch.no_grad()
     def stage(self, bucket: int) -> None:
         """Load bucket `bucket` into the shadows and build the handlers it completes (engine may run)."""
-        from vllm import _custom_ops as ops
-
+        ops = vllm_surface.onednn_ops()
         for r in self.records:
             if r.bucket == bucket and self._is_staged(r) and id(r.target) not in self.direct:
                 r.bound.arguments["param"] = r.target

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from actors import vllm_surface
 from exgrpo_async import precision
 from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.logs import log_format
@@ -118,6 +119,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int = 0):
         configure_vllm_env(cfg, on_cpu)
+        vllm_surface.check_version()  # the internals this code uses are one minor's
         from vllm import LLM
 
         self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
@@ -157,9 +159,7 @@ class VLLMEngine:
         try:
             self.close_weight_sync()
         finally:
-            core = getattr(self.llm.llm_engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()  # a multiprocess engine core would otherwise keep the process alive
+            vllm_surface.shutdown_engine_core(self.llm)
 
 
 class AsyncVLLMEngine:
@@ -171,6 +171,7 @@ class AsyncVLLMEngine:
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int = 0):
         configure_vllm_env(cfg, on_cpu)
+        vllm_surface.check_version()  # the internals this code uses are one minor's
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -233,7 +234,7 @@ class AsyncVLLMEngine:
         # until the resume, so no KV of the old weights can be cached after it. This is
         # AsyncLLM.pause_generation without its trailing 20 ms sleep, which only orders the last outputs
         # for the caller while the engine sits paused (and text models have no multimodal cache to clear).
-        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+        await vllm_surface.pause_scheduler(self.llm, mode)
         t_paused = time.perf_counter()
         try:
             done = (await self.llm.collective_rpc("ws_commit", args=(fingerprint, corrupt)))[0]

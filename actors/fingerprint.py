@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from actors import vllm_surface
 from exgrpo_async.fingerprint import MASK, bitsum, block_of, probe_columns
 
 
 @torch.no_grad()
 def engine_fingerprint(model: torch.nn.Module) -> dict[str, int]:
     """Per block, the bit sum of the probed outputs of its linear layers and of its other parameters."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
+    LinearBase, ParallelLMHead = vllm_surface.probed_layer_classes()
     out: dict[str, int] = {}
     probed: set[str] = set()
     for name, mod in model.named_modules():

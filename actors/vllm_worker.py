@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from actors import vllm_surface
 from actors.cpu_reload import PrepackedReload, Unsupported
 from exgrpo_async.weight_sync import Meta, WeightReceiver
 
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's Worker; `self.model_runner`, `self.device`, `self.rank` come from the Worker."""
+    """Mixed into vLLM's Worker; `self.model_runner`, `self.device`, `self.rank` and `get_model` come from
+    the Worker (actors/vllm_surface.py holds every vLLM internal used here)."""
 
     def ws_init(self, host: str, port: int, prefix: str, world_size: int, backend: str, timeout_s: float,
                 cpu_reload: str = "prepacked") -> bool:
@@ -101,7 +103,7 @@ class WeightSyncExtension:
             return None
         if self._prepacked_reload is None:
             try:
-                self._prepacked_reload = PrepackedReload(self.model_runner.model)
+                self._prepacked_reload = PrepackedReload(vllm_surface.worker_model(self))
             except Unsupported as e:
                 self._fall_back(str(e))
         return self._prepacked_reload
@@ -148,13 +150,8 @@ class WeightSyncExtension:
         self._load_layerwise(received)
 
     def _load_layerwise(self, buckets) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        model = self.model_runner.model
-        initialize_layerwise_reload(model)
-        for bucket in buckets:
-            model.load_weights(weights=bucket)
-        finalize_layerwise_reload(model, self.model_runner.model_config)
+        model = vllm_surface.worker_model(self)
+        vllm_surface.layerwise_reload(model, self.model_runner.model_config, buckets)
         if self._ws.device.type == "cpu" and getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             qm = getattr(model.lm_head, "quant_method", None)
             if qm is not None and hasattr(qm, "process_weights_after_loading"):
@@ -167,13 +164,13 @@ class WeightSyncExtension:
             return None
         from actors.fingerprint import engine_fingerprint
 
-        return engine_fingerprint(self.model_runner.model)
+        return engine_fingerprint(vllm_surface.worker_model(self))
 
     @torch.no_grad()
     def ws_fault_corrupt(self) -> bool:
         """Fault drill (actor.fault_corrupt_load_at_syncs): change one weight after a load, as a loader
         that skipped a tensor would leave it, so the fingerprint check has something to catch."""
-        norm = dict(self.model_runner.model.named_parameters())["model.norm.weight"]
+        norm = dict(vllm_surface.worker_model(self).named_parameters())["model.norm.weight"]
         norm.data[0] += 1.0
         return True
 
