@@ -48,7 +48,7 @@ class ProtocolError(RuntimeError):
     unexpected reply type or fields of the wrong type): the actor stops with this error."""
 
 
-HELLO_ATTEMPT_S = 30.0  # a hello unanswered this long is said again (and logged), on a fresh socket
+HELLO_ATTEMPT_S = 30.0  # default: a hello unanswered this long is said again (and logged), on a fresh socket
 MAX_WAIT_S = 60.0  # the longest "wait" a learner may ask for
 _NUM = (int, float)
 # what each reply carries, checked before anything is used (bool is not an int here)
@@ -106,16 +106,17 @@ def check_reply(reply: dict, expected: tuple[str, ...], address: str) -> dict:
     return reply
 
 
-def join(address: str, keys_dir: str | None, patience_s: float, timeout_s: float) -> tuple[ActorSocket, dict]:
+def join(address: str, keys_dir: str | None, patience_s: float, timeout_s: float,
+         retry_s: float = HELLO_ATTEMPT_S) -> tuple[ActorSocket, dict]:
     """Say hello until a learner welcomes us (or `patience_s` runs out): (socket, welcome). An unanswered
-    hello is said again every `HELLO_ATTEMPT_S` at most, each time logged; a learner with too many actors
+    hello is said again every `retry_s` at most, each time logged; a learner with too many actors
     part-way through joining answers "wait" and is asked again; a malformed answer is a ProtocolError."""
     deadline = time.monotonic() + patience_s
     sock, last_wait_log = None, 0.0
     while True:
         if sock is None:
             sock = ActorSocket(address, keys_dir=keys_dir)
-        attempt = min(timeout_s, HELLO_ATTEMPT_S, max(1.0, deadline - time.monotonic()))
+        attempt = min(timeout_s, retry_s, max(1.0, deadline - time.monotonic()))
         try:
             welcome, _ = sock.request(encode_control("hello", host=socket.gethostname(), pid=os.getpid()), attempt)
             welcome = check_reply(welcome, ("welcome", "wait"), address)
@@ -238,12 +239,14 @@ def score_groups(verifier: MathVerifier, tokenizer, actor_id: str, done: list[tu
     return groups
 
 
-def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, keys_dir: str | None = None) -> dict:
-    """Serve one learner (and its restarts) until it says stop; returns the actor's counters."""
+def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, keys_dir: str | None = None,
+        hello_retry_s: float = HELLO_ATTEMPT_S) -> dict:
+    """Serve one learner (and its restarts) until it says stop; returns the actor's counters. An unanswered
+    hello is said again every `hello_retry_s` (`exgrpo-async actor --hello-retry-s`)."""
     stats = {"groups": 0, "tokens": 0, "syncs": 0, "sync_seconds": 0.0, "gen_seconds": 0.0, "rejoins": 0}
     patience = request_timeout_s
     engine = verifier = None
-    sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
+    sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s, hello_retry_s)
     cfg = config_from_json(welcome["config"])
     setup_logging("actor", welcome["actor_id"])
     metrics = start_actor_metrics(cfg, welcome["actor_id"])
@@ -251,14 +254,14 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
         from actors.stream_loop import serve_stream
 
         try:
-            return serve_stream(learner_address, keys_dir, sock, welcome, cfg, on_cpu, stats, metrics)
+            return serve_stream(learner_address, keys_dir, sock, welcome, cfg, on_cpu, stats, metrics, hello_retry_s)
         finally:
             if metrics is not None:
                 metrics.close()
     try:
         while True:
             if sock is None:
-                sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s)
+                sock, welcome = join(learner_address, keys_dir, patience, request_timeout_s, hello_retry_s)
                 cfg = config_from_json(welcome["config"])
                 setup_logging("actor", welcome["actor_id"])
             heartbeat = Heartbeat(learner_address, keys_dir, welcome["actor_id"], cfg.transport.heartbeat_s)

@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import (Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request, score_groups,
-                         weight_group, work_request)
+from actors.loop import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request,
+                         score_groups, weight_group, work_request)
 from actors.metrics import ActorMetrics
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
@@ -35,15 +35,15 @@ log = logging.getLogger("exgrpo_async.actor")
 
 
 def serve_stream(address: str, keys_dir: str | None, sock: ActorSocket, welcome: dict, cfg: RunConfig, on_cpu: bool,
-                 stats: dict, metrics: ActorMetrics | None = None) -> dict:
-    return asyncio.run(StreamActor(address, keys_dir, cfg, on_cpu, stats, metrics).run(sock, welcome))
+                 stats: dict, metrics: ActorMetrics | None = None, hello_retry_s: float = HELLO_ATTEMPT_S) -> dict:
+    return asyncio.run(StreamActor(address, keys_dir, cfg, on_cpu, stats, metrics, hello_retry_s).run(sock, welcome))
 
 
 class StreamActor:
     def __init__(self, address: str, keys_dir: str | None, cfg: RunConfig, on_cpu: bool, stats: dict,
-                 metrics: ActorMetrics | None = None):
+                 metrics: ActorMetrics | None = None, hello_retry_s: float = HELLO_ATTEMPT_S):
         self.address, self.keys_dir, self.cfg, self.on_cpu, self.stats = address, keys_dir, cfg, on_cpu, stats
-        self.metrics = metrics
+        self.metrics, self.hello_retry_s = metrics, hello_retry_s
         self.io = ThreadPoolExecutor(1, thread_name_prefix="zmq")  # the socket's only thread
         self.verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
         self.weights_ready = asyncio.Event()  # cleared while an update is in progress
@@ -80,7 +80,7 @@ class StreamActor:
                     await self._io(sock.close)
                     await self.engine.close_weight_sync()
                     sock, welcome = await self._io(join, self.address, self.keys_dir, self.cfg.transport.reconnect_s,
-                                                   self.cfg.transport.request_timeout_s)
+                                                   self.cfg.transport.request_timeout_s, self.hello_retry_s)
                     setup_logging("actor", welcome["actor_id"])
                     self.heartbeat = Heartbeat(self.address, self.keys_dir, welcome["actor_id"],
                                                self.cfg.transport.heartbeat_s)

@@ -24,6 +24,17 @@ def _core_list(text: str) -> list[int]:
     return cores
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be positive and finite: {text!r}")
+    return value
+
+
 ADVERTISE_HELP = ("this host's name or address as Prometheus reaches it, listed in the service-discovery file "
                   "when {key} is a wildcard (0.0.0.0); default: $EXGRPO_ADVERTISE_HOST, else the host's FQDN")
 
@@ -91,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
                          "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
+    p_actor.add_argument("--hello-retry-s", type=_seconds, metavar="SECONDS",
+                         help="say hello again after this long without an answer (default 30; each retry is logged)")
     p_actor.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.actor_host"))
     p_eval = sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per data source",
                             description="Sample N completions per question with vLLM, score them with math-verify, "
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         _advertise(args.advertise_host)
         from actors.main import main as actor_main
 
-        return actor_main(args.learner, args.cpu_cores, args.keys)
+        return actor_main(args.learner, args.cpu_cores, args.keys, args.hello_retry_s)
     if args.cmd == "eval":
         setup_logging("eval", **logs)
         from exgrpo_async.launch import reward_function_loads

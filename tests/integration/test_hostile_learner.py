@@ -23,7 +23,6 @@ import zmq
 
 from actors.loop import LearnerLost, ProtocolError, check_reply, join, request, weight_group
 from exgrpo_async.config import RunConfig
-from exgrpo_async.transport import ActorSocket
 from exgrpo_async.wire import decode_header, encode_control
 from tests.integration.helpers import cli
 
@@ -95,16 +94,15 @@ def test_join_stops_with_a_clear_error_on_a_junk_welcome(case):
         learner.close()
 
 
-def test_join_says_hello_again_to_a_silent_learner_then_gives_up(caplog, monkeypatch):
-    monkeypatch.setattr("actors.loop.HELLO_ATTEMPT_S", 1.0)
+def test_join_says_hello_again_to_a_silent_learner_then_gives_up(caplog):
     learner = Hostile(lambda kind, n: None)
     try:
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="exgrpo_async.actor"):
             with pytest.raises(LearnerLost, match="no learner answered"):
-                join(learner.address, None, 4, 30)
+                join(learner.address, None, 4, 30, retry_s=1.0)
         assert time.monotonic() - t0 < 8
-        assert learner.seen["hello"] >= 3  # a fresh hello every attempt
+        assert 3 <= learner.seen["hello"] <= 5  # a fresh hello every attempt of 1 s, for 4 s
         assert sum("saying hello again" in r.getMessage() for r in caplog.records) >= 2
     finally:
         learner.close()
@@ -113,11 +111,10 @@ def test_join_says_hello_again_to_a_silent_learner_then_gives_up(caplog, monkeyp
 def test_a_reply_over_the_actors_size_cap_is_refused_unread(monkeypatch):
     """A 2 MB answer to an actor whose cap is 1 MB never reaches it: silence, so hello again, then give up."""
     monkeypatch.setattr("exgrpo_async.transport.MAX_REPLY_BYTES", 1 << 20)
-    monkeypatch.setattr("actors.loop.HELLO_ATTEMPT_S", 1.0)
     learner = Hostile(lambda kind, n: [msgpack.packb({"v": 1, "t": "welcome", **WELCOME, "pad": "x" * (2 << 20)})])
     try:
         with pytest.raises(LearnerLost):
-            join(learner.address, None, 3, 30)
+            join(learner.address, None, 3, 30, retry_s=1.0)
         assert learner.seen["hello"] >= 2
     finally:
         learner.close()
@@ -190,8 +187,9 @@ def test_every_reply_the_learner_sends_passes_the_checks():
         assert check_reply(reply, tuple({reply["t"]}), address) is reply
 
 
-def _actor(address: str, log_path) -> subprocess.Popen:
-    return subprocess.Popen(cli(["actor", "--learner", address]), stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+def _actor(address: str, log_path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(cli(["actor", "--learner", address, *args]), stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
@@ -221,7 +219,8 @@ def test_actor_processes_facing_a_hostile_learner(tmp_path, tiny_tied):
         learners["chain"] = Hostile(lambda kind, n: welcome if kind == "hello" else chain.get(n) if kind == "group"
                                     else [b"\xc1"])
         for name, learner in learners.items():
-            procs[name] = _actor(learner.address, tmp_path / f"{name}.log")
+            retry = ["--hello-retry-s", "2"] if name == "silent" else []  # the default is 30 s
+            procs[name] = _actor(learner.address, tmp_path / f"{name}.log", *retry)
         deadline = time.monotonic() + 120
         for name in cases:
             procs[name].wait(timeout=max(1, deadline - time.monotonic()))
@@ -234,11 +233,12 @@ def test_actor_processes_facing_a_hostile_learner(tmp_path, tiny_tied):
             time.sleep(0.5)
         assert procs["wait"].poll() is None and learners["wait"].seen["hello"] >= 10
         assert "too many actors joining" in (tmp_path / "wait.log").read_text()
-        wait_until = time.monotonic() + 80  # hello attempts of 30 s: two retries
+        wait_until = time.monotonic() + 30  # hello attempts of 2 s: two retries
         while learners["silent"].seen["hello"] < 3 and time.monotonic() < wait_until:
             time.sleep(1)
         assert procs["silent"].poll() is None and learners["silent"].seen["hello"] >= 3
         assert (tmp_path / "silent.log").read_text().count("saying hello again") >= 2
+        assert "within 2s; saying hello again" in (tmp_path / "silent.log").read_text()
         procs["chain"].wait(timeout=400)  # a vLLM start under load, three short timeouts
         text = (tmp_path / "chain.log").read_text()
         assert procs["chain"].returncode not in (0, None), text[-3000:]

@@ -113,3 +113,11 @@ def test_train_refuses_a_tracker_whose_library_is_missing(monkeypatch, capsys):
     assert main(["train", "--dry-run", 'metrics.trackers=["wandb"]']) == 2
     assert "exgrpo-async[wandb]" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_bad_hello_retry_is_refused_before_the_actor_starts(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        main(["actor", "--learner", "tcp://127.0.0.1:1", "--hello-retry-s", value])
+    assert e.value.code == 2
+    assert "--hello-retry-s" in capsys.readouterr().err
