@@ -19,7 +19,6 @@ import re
 import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import zmq
@@ -27,6 +26,7 @@ import zmq
 from exgrpo_async.wire import decode_header, encode_control
 from tests.integration.fuzz_frames import IDENTITIES, OVERSIZED, Model, Tally, generate
 from tests.integration.helpers import cli, log_excerpt
+from tests.integration.test_joins import Peer
 
 SEED = int(os.environ.get("EXGRPO_FUZZ_SEED", "20240519"))
 N = 10_000
@@ -172,20 +172,34 @@ def test_an_error_handling_one_message_is_counted_and_the_server_goes_on(caplog)
 
 
 @pytest.mark.slow
-def test_fuzzing_a_training_run(small, tmp_path):
-    """`exgrpo-async train` (two vLLM actors, 32 steps); from the first step on, 10^4 fuzzed messages at
-    its socket, 1000 per training step (so they meet work in flight: rollouts with the run's work ids).
-    The run finishes every step (return code 0, in time), the books balance, the summary's counters
-    equal the model's, no actor was lost, and the learner logged under 50 drop lines."""
-    out, steps = tmp_path / "runs", 32
+def test_fuzzing_a_training_run_with_a_stalled_peer(small, tmp_path):
+    """`exgrpo-async train` (two vLLM actors, 32 steps, weight_sync.timeout_s=900).
+    - A stalled peer says hello and asks for its weight-sync group as soon as the learner is up (before
+      the actors' engines are), then goes silent: the actors' rendezvous come after the stalled one and
+      must not wait for it; it is presumed dead, the only actor lost.
+    - From the first step on, 10^4 fuzzed messages at its socket, 1000 per training step (so they meet
+      work in flight: rollouts with the run's work ids).
+    The run finishes every step (return code 0, in a fraction of the 900 s the stalled rendezvous holds
+    its thread), the books balance, the summary's counters equal the model's (plus the stalled peer's
+    hello and loss), and the learner logged under 50 drop lines."""
+    out, steps, sync_timeout_s = tmp_path / "runs", 32, 900
     log_path = tmp_path / "train.log"
     proc = subprocess.Popen(cli(["train", *small, f"learner.max_steps={steps}", "actor.num_actors=2",
-                                 "transport.max_message_mb=2", "weight_sync.timeout_s=900", "data.eval_file=none",
-                                 "metrics.port=none", f"output_dir={out}"]),
+                                 "transport.max_message_mb=2", f"weight_sync.timeout_s={sync_timeout_s}",
+                                 "data.eval_file=none", "metrics.port=none", "transport.actor_timeout_s=10",
+                                 "transport.heartbeat_s=0.5", f"output_dir={out}"]),
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]  # noqa: E731
+    stuck = None
     try:
+        deadline = time.monotonic() + 300
+        while not list(out.glob("run-*/learner.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
+            time.sleep(0.1)
+        stuck = Peer(json.loads((next(out.glob("run-*")) / "learner.json").read_text())["address"])
+        stuck_id = stuck.ask("hello", host="stuck", pid=1)["actor_id"]
+        assert stuck.ask("group", tp=1)["t"] == "group"  # then silence: presumed dead, rendezvous pending
         deadline = time.monotonic() + 400
         while not list(out.glob("run-*/metrics.jsonl")) or not (next(out.glob("run-*")) / "metrics.jsonl").stat().st_size:
             assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
@@ -213,14 +227,19 @@ def test_fuzzing_a_training_run(small, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        if stuck is not None:
+            stuck.close()
     text = log_path.read_text()
     assert proc.returncode == 0, log_excerpt(log_path)
     assert [r["step"] for r in rows()] == list(range(1, steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["questions_unaccounted"] == 0 and summary["questions_trained"] == steps * 8, summary
-    assert summary["actors_lost"] == 0, summary
+    assert summary["actors_lost"] == 1 and f"{stuck_id} silent for" in text, summary  # the stalled peer only
+    groups = re.findall(r"(actor-\d+): weight-sync group of", text)
+    assert groups[0] == stuck_id and len(groups) >= 3, groups  # the stalled rendezvous came first
+    assert elapsed < sync_timeout_s / 3, elapsed  # the actors' rendezvous did not wait for it
     assert summary["bad_messages"] == tally.bad, (summary, tally)
-    assert summary["actors_joined"] == 2 + tally.hellos
+    assert summary["actors_joined"] == 3 + tally.hellos  # the two actors and the stalled peer
     assert summary["rejoin_requests"] == tally.rejoins
     assert summary["unknown_work"] == tally.unknown_work
     check_answers(tally, replies)

@@ -178,7 +178,8 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     assert {r["name"] for r in rules} >= {"ExgrpoLearnerStalled", "ExgrpoNoActorsConnected", "ExgrpoTargetDown"}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
-    # every dashboard query evaluates; most of them saw data during the run
+    # every dashboard query evaluates and saw data during the run (82 of 82 on 2026-11-26): a panel
+    # with no data is a dashboard query that names a metric or label nothing exports
     exprs = [expand(e) for e in dashboard_exprs(dashboard())]
     assert len(exprs) >= 20
     empty = []
@@ -186,4 +187,4 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
         ranged = _api(port, "query_range", query=e, start=time.time() - 600, end=time.time(), step="5")
         if not ranged["result"]:
             empty.append(e)
-    assert len(empty) <= len(exprs) // 3, f"dashboard queries without data: {empty}"
+    assert not empty, f"dashboard queries without data: {empty}"

@@ -205,4 +205,4 @@ def test_bf16_compute_runs_the_forward_in_bf16_and_reduces_in_fp32():
     bf16 = token_logprobs(model, ids, torch.ones_like(ids), bf16=True)
     assert bf16.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32
     err = float((bf16 - fp32).abs().max())
-    assert 1e-5 < err < 0.1  # bf16 rounding shows, but it is the same distribution
+    assert 1e-5 < err < 0.01  # bf16 rounding shows (0.0025 nats measured here), but it is the same distribution

@@ -1,0 +1,143 @@
+"""Stress the end of a 2-rank learner in the real topology: how many of N `train` runs abort.
+
+Each round is a real `exgrpo-async train` with `learner.world_size=2` (FSDP2 on gloo, the lead rank
+serving the actors) and one vLLM actor on the toy task, the fault drills' topology, ending one of three
+ways in turn:
+- actor_lost: the actor is killed with SIGKILL after the first step (presumed dead, its work re-issued,
+  the launcher starts a replacement); the run finishes its steps: exit 0 expected;
+- lead_busy: a clean finish with the held-out evaluation on, so the lead works for seconds (final
+  evaluation, model, report) after the follower has read "stop": exit 0 expected;
+- sigterm: the launcher gets SIGTERM after the second step: exit 130 expected, every rank stopped.
+A round counts as an abort when a rank died of SIGABRT (or exit 134), or the log shows what an abort or
+a broken collective prints ("terminate called", "Aborted", "Connection closed by peer"); as a rank error
+when the launcher named a rank's exit that the round's ending does not explain (any non-zero exit after
+a clean finish; anything but SIGTERM's 143 after an interrupt); as wrong when `train`'s own exit code is
+not the expected one. A table and JSON are written to --out, with the tail of every failed round's log.
+
+    .venv/bin/python ops/bench/rank_exit_stress.py --rounds 30 [--out bench_out/rank_exit] [--endings sigterm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENDINGS = ("actor_lost", "lead_busy", "sigterm")
+ABORT_SIGNS = ("terminate called", "Aborted", "Connection closed by peer")
+# the integration tests' toy policy and precision (tests/integration/conftest.py), so its cache is reused
+BASE = [f"toy.cache_dir={Path('~/.cache/exgrpo_async/tests').expanduser()}", "toy.sft_steps=420",
+        "learner.questions_per_step=8", "rollout.samples_per_question=4", "rollout.questions_per_request=4",
+        "rollout.eval_samples=1", "model.dtype=float32", "learner.mixed_precision=none", "learner.world_size=2",
+        "actor.num_actors=1", "metrics.port=none", "transport.actor_timeout_s=10", "transport.heartbeat_s=0.5"]
+
+
+def steps_done(out: Path) -> int:
+    found = list(out.glob("run-*/metrics.jsonl"))
+    return len(found[0].read_text().splitlines()) if found else 0
+
+
+def actor_pids(launcher: int) -> list[int]:
+    """The launcher's `exgrpo-async actor` children."""
+    pids = []
+    for task in Path(f"/proc/{launcher}/task").glob("*"):
+        try:
+            kids = (task / "children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for k in map(int, kids):
+            try:
+                cmd = Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"exgrpo_async.cli" in cmd and b"actor" in cmd:
+                pids.append(k)
+    return pids
+
+
+def one_round(ending: str, out: Path, timeout_s: float) -> dict:
+    """Run one `train` that ends as `ending` says; its verdict."""
+    steps = {"actor_lost": 5, "lead_busy": 3, "sigterm": 100000}[ending]
+    extra = [] if ending == "lead_busy" else ["data.eval_file=none"]
+    log_path = out / "train.log"
+    cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", *BASE, f"learner.max_steps={steps}",
+           f"output_dir={out / 'runs'}", *extra]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    acted = False
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout_s:
+                proc.kill()
+                proc.wait()
+                return {"ending": ending, "rc": None, "timed_out": True, "seconds": timeout_s}
+            done = steps_done(out / "runs")
+            if not acted and ending == "actor_lost" and done >= 1 and actor_pids(proc.pid):
+                os.kill(actor_pids(proc.pid)[0], signal.SIGKILL)
+                acted = True
+            if not acted and ending == "sigterm" and done >= 2:
+                proc.send_signal(signal.SIGTERM)
+                acted = True
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text(errors="replace")
+    named = [(int(k), how) for k, how in re.findall(r"learner rank (\d+) exited with (code -?\d+|signal \d+[^;\n]*)", text)]
+    explained = ("code 143",) if ending == "sigterm" else ()
+    return {"ending": ending, "rc": proc.returncode, "timed_out": False, "seconds": round(time.monotonic() - t0, 1),
+            "acted": acted or ending == "lead_busy", "expected_rc": 130 if ending == "sigterm" else 0,
+            "abort": any(s in text for s in ABORT_SIGNS) or any(how in ("code 134", "code -6") or how.startswith("signal 6")
+                                                                 for _, how in named),
+            "rank_errors": [f"rank {k}: {how}" for k, how in named if how not in explained],
+            "tail": text[-2000:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--out", default="bench_out/rank_exit")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a round may take before it counts as hung")
+    ap.add_argument("--endings", default=",".join(ENDINGS), help="the endings to cycle through, comma-separated")
+    args = ap.parse_args()
+    endings = args.endings.split(",")
+    if not endings or not set(endings) <= set(ENDINGS):
+        ap.error(f"--endings: choose from {', '.join(ENDINGS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rounds = []
+    for i in range(args.rounds):
+        ending = endings[i % len(endings)]
+        folder = out / f"round-{i:03d}"
+        folder.mkdir(exist_ok=True)
+        r = one_round(ending, folder, args.timeout)
+        r["wrong_rc"] = r["timed_out"] or r["rc"] != r["expected_rc"] or not r["acted"]
+        if not (r["abort"] or r["rank_errors"] or r["wrong_rc"]):
+            del r["tail"]
+        rounds.append(r)
+        print(f"round {i} {ending}: rc {r['rc']} in {r['seconds']} s; abort {r['abort']}; "
+              f"rank errors {r['rank_errors']}", flush=True)
+    table = ["| ending | rounds | aborts | rank errors | wrong exit code or hung | median s |", "|---|---|---|---|---|---|"]
+    for ending in ENDINGS:
+        rs = [r for r in rounds if r["ending"] == ending]
+        if rs:
+            secs = sorted(r["seconds"] for r in rs)
+            table.append(f"| {ending} | {len(rs)} | {sum(r['abort'] for r in rs)} | "
+                         f"{sum(bool(r['rank_errors']) for r in rs)} | {sum(r['wrong_rc'] for r in rs)} | "
+                         f"{secs[len(secs) // 2]:.0f} |")
+    print("\n".join(table))
+    (out / "rank_exit.json").write_text(json.dumps({"rounds": rounds, "table": table}, indent=1))
+    bad = sum(r["abort"] or bool(r["rank_errors"]) or r["wrong_rc"] for r in rounds)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
