@@ -32,7 +32,9 @@ def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
     if ranks.world == 1:
         cfg = _resolve_precision(cfg, ranks)
         return _run_rank(cfg, run_dir, resume, ranks)
-    if not ranks.lead:
+    if ranks.lead:  # SIGTERM stops the lead between two operations, never inside one (Ranks.together)
+        signal.signal(signal.SIGTERM, lambda *_: ranks.request_stop())
+    else:
         signal.signal(signal.SIGTERM, lambda *_: _follower_sigterm(ranks.rank))
     _end_together(ranks, _run_guarded(cfg, run_dir, resume, ranks))
 

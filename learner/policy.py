@@ -81,21 +81,24 @@ class Policy:
 
     # ------------------------------------------------------------------ the collective operations
     def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:
-        if self.ranks.world > 1:  # no encoding on one rank's step
-            self.ranks.announce("update", {"seqs": [_encode_seq(s) for s in seqs], "n_groups": n_groups,
-                                           "clip": settings.clip, "nan_drill": settings.nan_drill,
-                                           "updates_before": updates_before})
+        payload = {} if self.ranks.world == 1 else {  # no encoding on one rank's step
+            "seqs": [_encode_seq(s) for s in seqs], "n_groups": n_groups, "clip": settings.clip,
+            "nan_drill": settings.nan_drill, "updates_before": updates_before}
         self.model.train()
         try:
-            return update_policy(self.forward, self.opt, seqs, n_groups, self.cfg, settings, self.device, self.pad_id,
-                                 updates_before, self.ranks)
+            with self.ranks.together("update", payload):
+                return update_policy(self.forward, self.opt, seqs, n_groups, self.cfg, settings, self.device,
+                                     self.pad_id, updates_before, self.ranks)
         finally:
             self.model.eval()
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], completions: list[list[int]], metric: str) -> list[float]:
         """Mean per-token entropy (or NLL) of each completion given its prompt under the current weights."""
-        self.ranks.announce("score", {"prompts": prompts, "completions": completions, "metric": metric})
+        with self.ranks.together("score", {"prompts": prompts, "completions": completions, "metric": metric}):
+            return self._score(prompts, completions, metric)
+
+    def _score(self, prompts: list[list[int]], completions: list[list[int]], metric: str) -> list[float]:
         if not completions:
             return []
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -116,7 +119,10 @@ class Policy:
 
     def publish(self, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> None:
         """Lead: pack the weights into the publisher's buffers as `version`; followers join the gathers."""
-        self.ranks.announce("publish", {"version": version})
+        with self.ranks.together("publish", {"version": version}):
+            self._publish(publisher, version, dtype)
+
+    def _publish(self, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> None:
         named = named_parameters_for_sync(self.model)
         if publisher is not None:
             publisher.publish(version, named, dtype)  # gathers sharded parameters one at a time
@@ -128,18 +134,18 @@ class Policy:
 
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """The whole model (and optimizer) state on the lead's CPU, by parameter name; empty elsewhere."""
-        self.ranks.announce("state", {"optimizer": optimizer})
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.model, options=opts)
-        return weights, (get_optimizer_state_dict(self.model, self.opt, options=opts) if optimizer else None)
+        with self.ranks.together("state", {"optimizer": optimizer}):
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=opts)
+            return weights, (get_optimizer_state_dict(self.model, self.opt, options=opts) if optimizer else None)
 
     def load_state(self, weights: dict, optim: dict | None) -> None:
         """Load a full state read on the lead (followers pass empty dicts); broadcast from the lead."""
-        self.ranks.announce("load", {"optimizer": optim is not None})
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.ranks.world > 1, strict=False)
-        set_model_state_dict(self.model, weights, options=opts)
-        if optim is not None:
-            set_optimizer_state_dict(self.model, self.opt, optim, options=opts)
+        with self.ranks.together("load", {"optimizer": optim is not None}):
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.ranks.world > 1, strict=False)
+            set_model_state_dict(self.model, weights, options=opts)
+            if optim is not None:
+                set_optimizer_state_dict(self.model, self.opt, optim, options=opts)
 
     def stop(self) -> None:
         self.ranks.announce("stop", {})

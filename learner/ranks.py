@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import msgpack
 import torch
@@ -40,6 +41,8 @@ class Ranks:
                  bell: dist.Store | None = None):
         self.rank, self.world, self.device = rank, world, device
         self._bell, self._rung = bell, 0  # the store keys that say "the lead is ready", and how many so far
+        self.in_operation = False  # the lead, between announcing an operation and finishing it
+        self.stop_requested = False  # SIGTERM came during an operation: stop once it is over
 
     @property
     def lead(self) -> bool:
@@ -69,6 +72,31 @@ class Ranks:
         return cls(rank, world, device, dist.PrefixStore("exgrpo/lead/", store))
 
     # ------------------------------------------------------------------ lead -> followers
+    @contextmanager
+    def together(self, op: str, payload: dict[str, Any]) -> Iterator[None]:
+        """Lead: announce `op`, then run its part of the operation's collectives; a SIGTERM meanwhile
+        (`request_stop`) takes effect when the operation is over, as SystemExit(143). A lead that left
+        mid-operation would announce "stop" while the followers sit in the operation's next collective:
+        mismatched collectives, a hang until the launcher's SIGKILL. Followers and one rank: just runs."""
+        if self.world == 1 or not self.lead:
+            yield
+            return
+        self.in_operation = True
+        try:
+            self.announce(op, payload)
+            yield
+        finally:
+            self.in_operation = False
+        if self.stop_requested:
+            raise SystemExit(143)
+
+    def request_stop(self) -> None:
+        """The lead's SIGTERM: SystemExit(143) now, or at the end of the operation under way."""
+        if self.in_operation:
+            self.stop_requested = True
+            return
+        raise SystemExit(143)
+
     def announce(self, op: str, payload: dict[str, Any]) -> None:
         """Lead: tell the followers the next operation (they block in `receive` until it comes). A
         follower running the same operation calls this too, and nothing happens."""

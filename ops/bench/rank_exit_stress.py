@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[2]
 ENDINGS = ("actor_lost", "lead_busy", "sigterm")
 ABORT_SIGNS = ("terminate called", "Aborted", "Connection closed by peer")
@@ -47,18 +49,13 @@ def steps_done(out: Path) -> int:
 def actor_pids(launcher: int) -> list[int]:
     """The launcher's `exgrpo-async actor` children."""
     pids = []
-    for task in Path(f"/proc/{launcher}/task").glob("*"):
+    for child in psutil.Process(launcher).children():
         try:
-            kids = (task / "children").read_text().split()
-        except (FileNotFoundError, ProcessLookupError):
+            cmd = child.cmdline()
+        except psutil.NoSuchProcess:
             continue
-        for k in map(int, kids):
-            try:
-                cmd = Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue
-            if b"exgrpo_async.cli" in cmd and b"actor" in cmd:
-                pids.append(k)
+        if "exgrpo_async.cli" in cmd and "actor" in cmd:
+            pids.append(child.pid)
     return pids
 
 

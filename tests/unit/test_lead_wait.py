@@ -73,6 +73,39 @@ else:
 """
 
 
+SIGTERM_MID_OPERATION = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from learner.main import _end_together, _follower_sigterm
+from learner.ranks import Ranks
+rank, port = int(sys.argv[1]), sys.argv[2]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+ranks = Ranks.from_env(2, "cpu", 30.0)
+t = torch.ones(4)
+if ranks.lead:
+    signal.signal(signal.SIGTERM, lambda *_: ranks.request_stop())  # what learner/main.py installs
+    rc = 0
+    try:
+        with ranks.together("work", {}):
+            print("ready", flush=True)
+            time.sleep(3)  # SIGTERM comes now, between two collectives of the operation
+            dist.all_reduce(t)
+            print(f"reduced {t[0].item():.0f}", flush=True)
+    except SystemExit as e:
+        rc = e.code
+    finally:
+        ranks.announce("stop", {})
+    _end_together(ranks, rc)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: _follower_sigterm(1))
+    print("ready", flush=True)
+    assert ranks.receive()[0] == "work"
+    dist.all_reduce(t)
+    print(f"got {ranks.receive()[0]}", flush=True)
+    _end_together(ranks, 0)
+"""
+
+
 def _start(script: str, *args: str) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,3 +150,15 @@ def test_sigterm_to_both_ranks_stops_them_together():
     outs = [o + e for o, e in (p.communicate(timeout=120) for p in procs)]
     assert [p.returncode for p in procs] == [143, 0], outs
     assert "got stop" in outs[1] and "Connection closed" not in outs[0], outs
+
+
+def test_sigterm_during_an_operation_takes_effect_when_it_is_over():
+    procs = _start(SIGTERM_MID_OPERATION)
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    outs = [o + e for o, e in (p.communicate(timeout=120) for p in procs)]
+    assert [p.returncode for p in procs] == [143, 0], outs
+    assert "reduced 2" in outs[0] and "got stop" in outs[1], outs  # the operation finished, then the stop
