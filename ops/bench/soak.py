@@ -17,7 +17,7 @@ no further), the actors' RSS range, the events done, and from summary.json the
 question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
 
     .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
-    .venv/bin/python ops/bench/soak.py --minutes 3 --every 30 --warmup 1     # the CI version (tests/)
+    .venv/bin/python ops/bench/soak.py --minutes 3 --every 25 --warmup 1     # the CI version (tests/)
     .venv/bin/python ops/bench/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -177,12 +176,16 @@ def main() -> None:
                         (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size:
                     address = json.loads((run / "learner.json").read_text())["address"]
                     schedule, t0 = Schedule(address, a.freeze, out), time.time()  # the clock starts at step 1
+                    # the learner's time budget starts when it listens (learner.json), before the actors'
+                    # engines are up and step 1 comes: no event in its last every/2 seconds, so training
+                    # is seen to go on after the last one
+                    budget_end = (run / "learner.json").stat().st_mtime + a.minutes * 60
                 if schedule is None:
                     continue
                 t = time.time() - t0
                 learner, actors = roles(launcher)
                 schedule.thaw(time.time())
-                if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
+                if t >= a.every * (len(schedule.done) + 1) and time.time() < budget_end - a.every / 2:
                     schedule.next(t, actors)
                 steps = (run / "metrics.jsonl").read_text().count("\n")
                 procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])

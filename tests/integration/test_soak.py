@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_three_minutes_with_churn_keep_the_books(small, tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "3", "--every", "30", "--warmup", "1",
+    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "3", "--every", "25", "--warmup", "1",
                            "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
