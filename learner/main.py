@@ -72,6 +72,7 @@ def _end_together(ranks, rc: int) -> NoReturn:
     like a finished one and meets the followers the same way."""
     from learner.ranks import end_rank_process
 
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending already: a late SIGTERM must not skip os._exit
     if rc in (0, 143):
         try:
             ranks.meet_at_end()

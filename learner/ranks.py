@@ -8,10 +8,11 @@ gather, the step's reductions) is entered by every rank in the same order.
 
 Announcements and results travel as msgpack in uint8 tensors over the default process group, never
 pickle. A follower waits for the next announcement outside any collective: on a key the lead sets in
-the group's TCP store just before it broadcasts (the store lives in the lead's process, so a lead that
-dies ends the wait at once). The collective timeout (`learner.rank_timeout_s`, NCCL's watchdog) then
-bounds only the collectives themselves, never the lead's own work in between (an evaluation, a
-checkpoint, the summary), however long that takes; the final barrier is entered the same way. World size 1 has no process group: announcements are dropped and reductions are the identity.
+the group's TCP store just before it broadcasts (under `train` the store lives in the lead's process,
+so a lead that dies ends the wait at once). The collective timeout (`learner.rank_timeout_s`, NCCL's
+watchdog) then bounds only the collectives themselves, never the lead's own work in between (an
+evaluation, a checkpoint, the summary), however long that takes; the final barrier is entered the
+same way. World size 1 has no process group: announcements are dropped and reductions are the identity.
 The group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK),
 which `exgrpo-async train` sets for the ranks it starts itself.
 """
@@ -103,7 +104,7 @@ class Ranks:
         if self.world > 1 and self.lead:
             self._rung += 1
             self._ring(f"op/{self._rung}")
-            if self._rung > BELL_KEYS_KEPT:
+            if self._bell is not None and self._rung > BELL_KEYS_KEPT:
                 self._bell.delete_key(f"op/{self._rung - BELL_KEYS_KEPT}")
             self._broadcast_bytes(msgpack.packb({"op": op, **payload}, use_bin_type=True))
 
