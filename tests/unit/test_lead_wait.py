@@ -140,25 +140,24 @@ def test_a_lead_that_dies_ends_the_followers_wait_at_once():
     assert time.monotonic() - t0 < 60  # not the 600-s poll
 
 
-def test_sigterm_to_both_ranks_stops_them_together():
-    procs = _start(SIGTERM_BOTH)
-    for p in procs:  # both in place: the lead sleeping, the follower waiting for its next operation
+def _sigterm_both_when_ready(script: str) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start the pair, wait until both are in place, SIGTERM both at once (as `train` does); their outputs."""
+    procs = _start(script)
+    for p in procs:
         assert p.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    outs = [o + e for o, e in (p.communicate(timeout=120) for p in procs)]
+    return procs, [o + e for o, e in (p.communicate(timeout=120) for p in procs)]
+
+
+def test_sigterm_to_both_ranks_stops_them_together():
+    procs, outs = _sigterm_both_when_ready(SIGTERM_BOTH)  # the lead sleeping, the follower waiting
     assert [p.returncode for p in procs] == [143, 0], outs
     assert "got stop" in outs[1] and "Connection closed" not in outs[0], outs
 
 
 def test_sigterm_during_an_operation_takes_effect_when_it_is_over():
-    procs = _start(SIGTERM_MID_OPERATION)
-    for p in procs:
-        assert p.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    outs = [o + e for o, e in (p.communicate(timeout=120) for p in procs)]
+    procs, outs = _sigterm_both_when_ready(SIGTERM_MID_OPERATION)
     assert [p.returncode for p in procs] == [143, 0], outs
     assert "reduced 2" in outs[0] and "got stop" in outs[1], outs  # the operation finished, then the stop
