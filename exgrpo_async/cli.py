@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p_learner.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
     p_learner.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.host"))
     p_actor = sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner")
-    p_actor.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
+    where = p_actor.add_mutually_exclusive_group(required=True)
+    where.add_argument("--learner", help="the learner's address, tcp://HOST:PORT")
+    where.add_argument("--learner-file", metavar="PATH", help="read the address from the learner's RUN_DIR/learner.json, "
+                       "waiting for the learner to write it (up to 30 minutes); `train` starts its actors this way")
     p_actor.add_argument("--cpu-cores", "--cpu-core", type=_core_list, metavar="LIST",
                          help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
     p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         _advertise(args.advertise_host)
         from actors.main import main as actor_main
 
-        return actor_main(args.learner, args.cpu_cores, args.keys, args.hello_retry_s)
+        actor_main(args.learner, args.cpu_cores, args.keys, args.hello_retry_s, args.learner_file)
     if args.cmd == "eval":
         setup_logging("eval", **logs)
         from exgrpo_async.launch import reward_function_loads

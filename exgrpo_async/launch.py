@@ -214,15 +214,11 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                  for rank_env in learner_rank_envs(learner_env, cfg.learner.world_size)]
         learner = ranks[0]
         children.append(learner)
-        while not (run_dir / "learner.json").exists():
-            if learner.poll() is not None or stopping:
-                raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
-            time.sleep(0.2)
-        address = json.loads((run_dir / "learner.json").read_text())["address"]
+        # the actors start now, beside the learner: they import vLLM while it loads, then read its address
         actor_args, actor_envs = [], []
         actor_nice = 0 if gpu_plan else cfg.actor.nice
         for i in range(cfg.actor.num_actors):
-            args = ["actor", "--learner", address]
+            args = ["actor", "--learner-file", str(run_dir / "learner.json")]
             if cfg.transport.curve_keys_dir:
                 args += ["--keys", cfg.transport.curve_keys_dir]
             if actor_cores[i] is not None:
@@ -232,6 +228,10 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                                    **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i], env.get("CUDA_VISIBLE_DEVICES"))}
                                       if gpu_plan else {})))
             children.append(_spawn(args, actor_envs[i], nice=actor_nice))
+        while not (run_dir / "learner.json").exists():
+            if learner.poll() is not None or stopping:
+                raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
+            time.sleep(0.2)
         restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:
             for i, args in enumerate(actor_args):  # a crashed actor is replaced; the learner re-issues its work

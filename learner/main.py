@@ -23,15 +23,14 @@ from exgrpo_async.layout import standalone_threads
 log = logging.getLogger("exgrpo_async.learner")
 
 
-def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> int:
-    from learner.ranks import Ranks
+def main(cfg: RunConfig, run_dir: str | None, resume: bool = False) -> NoReturn:
+    from learner.ranks import Ranks, end_rank_process
 
     L = cfg.learner
     torch.set_num_threads(standalone_threads(cfg))
     ranks = Ranks.from_env(L.world_size, L.device, L.rank_timeout_s)
-    if ranks.world == 1:
-        cfg = _resolve_precision(cfg, ranks)
-        return _run_rank(cfg, run_dir, resume, ranks)
+    if ranks.world == 1:  # a failure propagates (its traceback, exit 1); a finished run skips finalization
+        end_rank_process(_run_rank(_resolve_precision(cfg, ranks), run_dir, resume, ranks))
     if ranks.lead:  # SIGTERM stops the lead between two operations, never inside one (Ranks.together)
         signal.signal(signal.SIGTERM, lambda *_: ranks.request_stop())
     else:

@@ -19,9 +19,7 @@ which `exgrpo-async train` sets for the ranks it starts itself.
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator, NoReturn
@@ -29,6 +27,8 @@ from typing import Any, Iterator, NoReturn
 import msgpack
 import torch
 import torch.distributed as dist
+
+from exgrpo_async.logs import end_process
 
 MAX_MESSAGE_BYTES = 1 << 30  # one step's sequences; anything bigger is a bug
 FOLLOWER_POLL_S = 600.0  # a follower's wait for the lead in store waits this long each (c10d logs each timeout)
@@ -191,7 +191,7 @@ class Ranks:
 
 
 def end_rank_process(rc: int) -> NoReturn:
-    """End a rank of a multi-rank group (after `Ranks.close`) without the interpreter's finalization.
+    """End a learner rank (after `Ranks.close`) without the interpreter's finalization.
 
     destroy_process_group does not free a gloo group that FSDP2 used: DTensor's global caches keep its
     DeviceMesh, so the group's worker threads outlive it. A worker that lets go of the last
@@ -199,12 +199,9 @@ def end_rank_process(rc: int) -> NoReturn:
     tensors; releasing them during finalization takes the GIL from a thread Python is tearing down,
     and the process aborts ("terminate called without an active exception", exit 134; pytorch PR
     179291). In a loop of 2-rank lifecycles 7 of 110 clean exits aborted, mostly the follower, which
-    returns right after its last broadcast; ops/stress_rank_exit.py counts them. Logs and standard
-    streams are flushed first; everything else is closed by then."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    returns right after its last broadcast; ops/stress_rank_exit.py counts them. One rank ends the
+    same way: finalizing torch takes seconds."""
+    end_process(rc)
 
 
 def split_by_tokens(lengths: list[int], world: int) -> list[list[int]]:

@@ -150,8 +150,9 @@ class Shell:
                                  in_flight=lambda: len(self.dispatcher.outstanding))
         server.targets = TargetsFile(self.run_dir, cfg.metrics.sd_dir, self.prom.endpoint.address if self.prom else None)
         server.start()
-        (self.run_dir / "learner.json").write_text(json.dumps({"address": server.address,
-                                                                "metrics_port": self.prom.port if self.prom else None}))
+        tmp = self.run_dir / "learner.json.tmp"  # whole or absent: actors started beside us read it (actors/main.py)
+        tmp.write_text(json.dumps({"address": server.address, "metrics_port": self.prom.port if self.prom else None}))
+        tmp.replace(self.run_dir / "learner.json")
         log.info("learner listening on %s (weight sync %s on port %d)", server.address, backend, self.publisher.port)
         if self.prom is not None:
             log.info("Prometheus metrics on http://%s/metrics; targets in %s", self.prom.endpoint.address,

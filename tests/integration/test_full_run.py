@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import children_of, cli, log_excerpt
+from tests.integration.helpers import actor_pids, children_of, cli, log_excerpt
 from tests.reward_fns import PROBE_LOG_ENV
 from tests.unit.test_trackers import tensorboard_scalars, wandb_history
 
@@ -144,6 +144,13 @@ def test_sigterm_stops_every_child(small, tmp_path):
                                  f"output_dir={out}"]),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
+        # train starts its actors beside the learner, before it listens: they import vLLM meanwhile
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not actor_pids(proc.pid):
+            assert time.monotonic() < deadline, "no actor started"
+            time.sleep(0.1)
+        (run_dir,) = out.glob("run-*")
+        assert not (run_dir / "learner.json").exists(), "the actors started only once the learner listened"
         deadline = time.monotonic() + 300
         metrics = None
         while time.monotonic() < deadline and proc.poll() is None:
