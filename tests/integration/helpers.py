@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
 
 def cli(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "exgrpo_async.cli", *args]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def children_of(pid: int) -> set[int]:

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import actor_pids, cli, kill_tree
+from tests.integration.helpers import actor_pids, cli, free_port, kill_tree
 from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary
 
 pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 min
@@ -33,12 +32,6 @@ pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 STEPS = 12
 FREEZE_S = 12.0  # both actors frozen this long: presumed dead after 3 s, so 9 s without any actor
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(port: int, path: str, **params) -> dict:
@@ -64,7 +57,7 @@ def prometheus(tmp_path):
     rules = re.sub(r"\n(\s+)for: \d+m\n", r"\n\1for: 2s\n", (OPS / "prometheus" / "alerts.yml").read_text())
     (tmp_path / "alerts.yml").write_text(rules)
     (tmp_path / "targets").mkdir()
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "prometheus.log", "w")
     proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],

@@ -1,4 +1,4 @@
-"""The soak bench's CI version: 3 minutes of training with an actor killed, one frozen, one added and
+"""The soak bench's CI version: 105 s of training with an actor killed, one frozen, one added and
 removed (ops/bench/soak.py). The 60-minute figures are in docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_three_minutes_with_churn_keep_the_books(small, tmp_path):
+def test_churn_keeps_the_books(small, tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "3", "--every", "25", "--warmup", "1",
+    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "1.75", "--every", "15", "--sample", "2", "--warmup", "0.5",
                            "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
