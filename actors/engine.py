@@ -229,7 +229,8 @@ class AsyncVLLMEngine:
     async def update_in_flight(self, meta: list, version: int, mode: str, fingerprint: bool = False,
                                corrupt: bool = False) -> dict[str, float]:
         """Receive in the background while generating; once all bytes are in, pause (`wait` or `abort`),
-        load, resume.
+        load, resume. (A tensor-parallel engine on NCCL receives only once paused: vllm_worker.py
+        `serial_receive`.)
 
         Returns seconds: `total` (request to resume), `pause` (pause call: drain or abort),
         `stall` (engine stopped: pause returned until resumed, plus the abort itself in `abort` mode),

@@ -32,6 +32,12 @@ from exgrpo_async.weight_sync import Meta, WeightReceiver
 log = logging.getLogger(__name__)
 
 
+def serial_receive(backend: str, world_size: int) -> bool:
+    """Whether an engine must not receive weights while it generates: NCCL with tensor parallelism (the
+    learner and two or more workers in the weight-sync group)."""
+    return backend == "nccl" and world_size > 2
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; `self.model_runner`, `self.device`, `self.rank` and `get_model` come from
     the Worker (actors/vllm_surface.py holds every vLLM internal used here)."""
@@ -52,6 +58,10 @@ class WeightSyncExtension:
         device = torch.device("cpu") if backend == "gloo" else self.device
         # on GPU a fresh buffer per bucket (freed once loaded), not a copy of the model
         self._ws = WeightReceiver(host, port, prefix, rank, world_size, backend, device, timeout_s, ring=backend != "gloo")
+        # a tensor-parallel GPU engine's workers all-reduce on their own NCCL communicator while they
+        # generate; receiving on a second one at the same time can deadlock (NCCL's documentation on
+        # concurrent communicators): such an engine receives only while paused, in `ws_commit`
+        self._serial = serial_receive(backend, world_size)
         return True
 
     def ws_recv(self, meta: Meta, fingerprint: bool = False, corrupt: bool = False) -> dict:
@@ -77,19 +87,24 @@ class WeightSyncExtension:
 
         self._staged = None
         self._prefetch = threading.Thread(target=receive, name="ws-prefetch", daemon=True)
-        self._prefetch.start()
+        if not self._serial:  # a serial engine receives in ws_commit, generation paused (see ws_init)
+            self._prefetch.start()
         return True
 
     def ws_prefetch_done(self) -> bool:
         """True once the prefetched broadcast has fully arrived and, with the prepacked reload, is staged
         (cheap: polled between engine steps)."""
-        return not self._prefetch.is_alive()
+        return not self._prefetch.is_alive()  # a deferred receive's thread never started: done at once
 
     def ws_commit(self, fingerprint: bool = False, corrupt: bool = False) -> dict:
-        """Wait for the prefetched broadcast, then load it (call only while generation is paused); the
-        fingerprint, if asked for, is taken before generation resumes."""
+        """Wait for the prefetched broadcast (or, for a serial engine, receive it now), then load it (call
+        only while generation is paused); the fingerprint, if asked for, is taken before generation
+        resumes."""
         t0 = time.perf_counter()
-        self._prefetch.join()
+        if self._serial:
+            self._prefetch.run()  # the receive, in this thread, with nothing else on the GPU
+        else:
+            self._prefetch.join()
         waited = time.perf_counter() - t0
         staged, self._staged = self._staged, None
         if isinstance(staged, BaseException):

@@ -198,9 +198,18 @@ class WeightPublisher:
     a persistent set of flat buffers (allocating once, not per step), never into a set that a send is
     still using: `checkout` marks the set a sync job will send, `release` frees it. `open_group`,
     `send` and `close_group` are called from the sync thread only.
+
+    `max_sets` bounds the sets (each the model's size in the actors' dtype: 15 GB at 7B in bf16, on the
+    lead's GPU): when every set is held by a send, `publish` waits for one to be released (sends end
+    within `timeout_s`, or abort) instead of allocating another; with one set it repacks it in place,
+    and a `checkout` waits while it does. None: never wait, allocate (the CPU default).
     """
 
-    def __init__(self, host: str, port: int, backend: str, device: torch.device, bucket_mb: int, timeout_s: float):
+    def __init__(self, host: str, port: int, backend: str, device: torch.device, bucket_mb: int, timeout_s: float,
+                 max_sets: int | None = None):
+        if max_sets is not None and max_sets < 1:
+            raise ValueError(f"max_sets must be at least 1, got {max_sets}")
+        self.max_sets = max_sets
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
         self.bucket_bytes = bucket_mb << 20
         fd, port = _listen(host, port)
@@ -209,12 +218,13 @@ class WeightPublisher:
         self.host, self.port = host, self.store.port
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._aborted: list[dist.ProcessGroup] = []  # aborted groups not yet freed (see close_group)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # a lock; `release` and the end of a repack notify waiters
         self.version = -1
         self.meta: Meta = []
         self._sets: list[list[torch.Tensor]] = []  # flat bucket buffers, reused across versions
         self._users: list[int] = []  # sync jobs holding each set
         self._current = -1
+        self._packing = -1  # the set `publish` is writing (checkout waits for it with max_sets=1)
         self._fingerprints: dict[int, dict[str, int]] = {}  # version -> fingerprint, the last few
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
@@ -225,19 +235,37 @@ class WeightPublisher:
         with self._lock:
             if meta != self.meta:  # first publish, or the model changed shape: start over
                 self._sets, self._users, self._current = [], [], -1
-            free = [i for i in range(len(self._sets)) if i != self._current and self._users[i] == 0]
-        if free:
-            idx = free[0]
-        else:
-            idx = len(self._sets)
-            self._sets.append([torch.empty(sum(_numel(sh) for _, _, sh in b), dtype=getattr(torch, b[0][1]),
-                                           device=self.device) for b in meta])
-            self._users.append(0)
-        with torch.no_grad():
-            for buf, bucket in zip(self._sets[idx], meta):
-                torch.cat([full_tensor(by_name[n]).detach().reshape(-1).to(buf.dtype) for n, _, _ in bucket], out=buf)
-        with self._lock:
-            self.version, self.meta, self._current = version, meta, idx
+            idx = self._set_to_fill()
+            if idx == len(self._sets):
+                self._sets.append([torch.empty(sum(_numel(sh) for _, _, sh in b), dtype=getattr(torch, b[0][1]),
+                                               device=self.device) for b in meta])
+                self._users.append(0)
+            self._packing = idx
+        try:
+            with torch.no_grad():
+                for buf, bucket in zip(self._sets[idx], meta):
+                    torch.cat([full_tensor(by_name[n]).detach().reshape(-1).to(buf.dtype) for n, _, _ in bucket],
+                              out=buf)
+        finally:
+            with self._lock:
+                self.version, self.meta, self._current, self._packing = version, meta, idx, -1
+                self._lock.notify_all()
+
+    def _set_to_fill(self) -> int:
+        """(Under the lock.) A set no send holds, other than the newest unless only one is allowed; a new
+        set's index (len) while `max_sets` allows; else wait for a release, at most twice `timeout_s`."""
+        deadline = time.monotonic() + 2 * self.timeout_s
+        while True:
+            free = [i for i in range(len(self._sets)) if self._users[i] == 0 and (i != self._current or self.max_sets == 1)]
+            if free:
+                return free[0]
+            if self.max_sets is None or len(self._sets) < self.max_sets:
+                return len(self._sets)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"publish: every packed set ({self.max_sets}) still held by a send after "
+                                  f"{2 * self.timeout_s:.0f}s (a send ends within weight_sync.timeout_s)")
+            self._lock.wait(left)
 
     def snapshot(self) -> tuple[int, Meta, list[torch.Tensor]]:
         """Latest (version, meta, flat buckets), for reading now (no hold on the buffers)."""
@@ -247,6 +275,8 @@ class WeightPublisher:
     def checkout(self) -> tuple[int, Meta, list[torch.Tensor], int]:
         """Like `snapshot`, but the buffers stay untouched by `publish` until `release(token)`."""
         with self._lock:
+            while self._packing == self._current:  # one set, being repacked: the next version comes next
+                self._lock.wait()
             self._users[self._current] += 1
             return self.version, self.meta, self._sets[self._current], self._current
 
@@ -254,6 +284,7 @@ class WeightPublisher:
         with self._lock:
             if token < len(self._users):
                 self._users[token] -= 1
+                self._lock.notify_all()
 
     def fingerprint(self, version: int, meta: Meta, flat: list[torch.Tensor]) -> dict[str, int]:
         """The fingerprint (exgrpo_async/fingerprint.py) of `version`, packed in `flat` (checked out);
@@ -336,6 +367,7 @@ class WeightReceiver:
         warm_up(self.pg, device, timeout_s)
         self._bufs: list[torch.Tensor] = []  # CPU: kept across syncs (fresh large buffers cost page faults)
         self._plan: list[tuple[str, int]] = []
+        self._host: dict[int, torch.Tensor] = {}  # GPU with `keep`: each bucket's page-locked host copy
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -355,7 +387,8 @@ class WeightReceiver:
 
     def receive(self, meta: Meta, keep: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) views while the next bucket is still in flight. With `ring`
-        and `keep` (the caller holds every bucket until the end), each bucket is copied to host memory."""
+        and `keep` (the caller holds every bucket until the end), each bucket is copied to page-locked
+        host memory."""
         plan = [(b[0][1], sum(_numel(shape) for _, _, shape in b)) for b in meta]
         if plan != self._plan and not self.ring:
             self._bufs = [torch.empty(n, dtype=getattr(torch, dt), device=self.device) for dt, n in plan]
@@ -371,13 +404,22 @@ class WeightReceiver:
             work.wait()
             pending = start(i + 1) if i + 1 < len(meta) else None
             if self.ring and keep:
-                buf = buf.to("cpu")  # waits for this bucket only; the next one's broadcast is already queued
+                buf = self._to_host(i, buf)  # waits for this bucket only; the next one's broadcast is queued
             out, off = [], 0
             for name, _, shape in bucket:
                 n = _numel(shape)
                 out.append((name, buf[off:off + n].view(shape)))
                 off += n
             yield out
+
+    def _to_host(self, i: int, buf: torch.Tensor) -> torch.Tensor:
+        """A copy of bucket i in page-locked host memory (kept per bucket and reused: the caller is done
+        with a sync's buckets before the next sync), which the device copies at full speed both ways."""
+        host = self._host.get(i)
+        if host is None or host.shape != buf.shape or host.dtype != buf.dtype:
+            host = self._host[i] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=buf.is_cuda)
+        host.copy_(buf)
+        return host
 
     def close(self) -> None:
         try:
