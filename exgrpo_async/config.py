@@ -466,6 +466,11 @@ class WeightSyncConfig(_Strict):
     """Deadline of one group set-up or broadcast."""
     bucket_mb: int = Field(64, gt=0)
     """Weights travel in buckets of about this size; receive of bucket i+1 overlaps the load of bucket i."""
+    publish_sets: int | None = Field(None, ge=1)
+    """Packed copies of the weights the lead learner rank keeps for sending (each the model's size in
+    `model.dtype`: 15 GB at 7B in bf16, on its GPU): when sends hold them all, the next publish waits
+    for one (a send ends within `timeout_s`) instead of allocating another. Unset: 1 on a GPU (the lead
+    would not fit two beside a 7B rank's state: docs/memory.md), unbounded on CPU (never wait)."""
     fingerprint: bool = True
     """After each load an actor fingerprints the weights its engine computes with (exact bit sums of
     each linear layer's output for a few one-hot inputs and of the other parameters, per block:

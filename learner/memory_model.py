@@ -3,9 +3,9 @@
 Per rank, in bytes (P parameters, world ranks, T tokens per micro-batch, h width, f MLP width, kv the
 key/value width, V vocabulary, n layers, c the head's chunk of positions, b the compute dtype's bytes):
 - sharded state (FSDP2, fp32 master weights, fp32 gradients, AdamW's two fp32 moments): 16 P / world;
-- gathered parameters in compute dtype while they run: the root unit (embeddings and head) for the
-  whole forward/backward and two decoder layers at a time (one running, one prefetched), plus the
-  root's unsharded fp32 gradient before its reduce-scatter;
+- gathered parameters while they run: the root unit (embeddings and head, in fp32) for the whole
+  forward/backward and two decoder layers at a time (one running, one prefetched; compute dtype),
+  plus the unsharded fp32 gradients before their reduce-scatter;
 - activations, with gradient checkpointing: each layer's input kept (n T h b), one layer's internals
   recomputed in its backward (T A b with A = ACT_PER_LAYER(h, f, kv) values per token), the final
   hidden states (T h 4), and the output head on c positions at a time: HEAD_COPIES fp32 [c, V] tensors
@@ -14,7 +14,7 @@ key/value width, V vocabulary, n layers, c the head's chunk of positions, b the 
   tokens (n T A b) and HEAD_COPIES_FULL fp32 [T, V] tensors.
 `step_peak_bytes` is the part a step adds above the master weights and optimizer state on one unsharded
 rank (what ops/bench/learner_memory.py measures on CPU: gradients plus activations); `rank_bytes` adds
-the state and the gathered parameters, for a GPU plan (docs/memory.md has the derivation, the
+the state and the gathered parameters, for a GPU plan, and `lead_bytes` the lead's publish buffers (docs/memory.md has the derivation, the
 measurements it was checked against, and the plans for the 1.5B and 7B configs).
 """
 
@@ -92,9 +92,21 @@ def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk:
     root = s.vocab * s.hidden * (1 if s.tied else 2)
     layer = (p - root) // s.layers
     state = 16 * p / world
-    gathered = (root + 2 * layer) * compute_bytes + 4 * root + 4 * 2 * layer  # + their fp32 grads unsharded
+    # the root (embeddings, head) gathered in fp32 (learner/policy.py `shard`), two layers in compute dtype,
+    # and their fp32 gradients unsharded
+    gathered = 4 * root + 2 * layer * compute_bytes + 4 * root + 4 * 2 * layer
     acts = step_peak_bytes(s, tokens, path="new", chunk=chunk, compute_bytes=compute_bytes) - 4 * s.params()
     return int((state + gathered + acts) * ALLOCATOR_SLACK + CUDA_CONTEXT)
+
+
+H100_80GB_BYTES = 85_520_809_984  # torch.cuda.get_device_properties(...).total_memory of an H100 80GB
+
+
+def lead_bytes(s: Shape, tokens: int, world: int, publish_sets: int = 1, sync_dtype_bytes: int = 2,
+               compute_bytes: int = 2) -> int:
+    """Peak memory of the lead learner rank: a rank's, plus the packed weights it keeps for sending
+    (`weight_sync.publish_sets` copies of the model in the actors' dtype, exgrpo_async/weight_sync.py)."""
+    return rank_bytes(s, tokens, world, compute_bytes) + publish_sets * s.params() * sync_dtype_bytes
 
 
 def gpus_needed(s: Shape, tokens: int, gpu_bytes: int = 80 * 10**9, max_world: int = 64) -> int | None:

@@ -133,9 +133,10 @@ class Shell:
         cfg, L = self.cfg, self.cfg.learner
         backend = cfg.weight_sync.backend if cfg.weight_sync.backend != "auto" else (
             "nccl" if self.device.type == "cuda" else "gloo")
+        sets = cfg.weight_sync.publish_sets or (1 if self.device.type == "cuda" else None)
         self.publisher = WeightPublisher(cfg.transport.host, cfg.weight_sync.port, backend,
                                          self.device if backend == "nccl" else torch.device("cpu"),
-                                         cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s)
+                                         cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s, max_sets=sets)
         self.policy.publish(self.publisher, self.version, self.sync_dtype)
         self.server = server = LearnerServer(cfg, self.dispatcher, self.publisher, backend, self.prompts,
                                              self.questions, cfg.model_dump_json())

@@ -544,14 +544,16 @@ def memory_7b(ctx: Context) -> dict:
          "memory_model_gb": model_bytes / 1e9}
     r["measured_over_model"] = r["step_peak_gb"] / r["memory_model_gb"] if ctx.cuda else None
     before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
-    pub = WeightPublisher("127.0.0.1", 0, "nccl" if ctx.cuda else "gloo", ctx.device, bucket_mb=256, timeout_s=60)
+    # as the learner on a GPU keeps them (weight_sync.publish_sets unset: one set, repacked in place)
+    pub = WeightPublisher("127.0.0.1", 0, "nccl" if ctx.cuda else "gloo", ctx.device, bucket_mb=256, timeout_s=60,
+                          max_sets=1)
     for v in range(2):
         pub.publish(v, named_parameters_for_sync(model), torch.bfloat16)
     set_bytes = sum(b.numel() * b.element_size() for b in pub._sets[0])
     r.update(publish_sets_after_two=len(pub._sets), publish_set_gb=set_bytes / 1e9,
              publish_allocated_gb=((torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0) - before) / 1e9)
     full_set = 2 * full.params()
-    world4 = rank_bytes(full, budget, 4)
+    world4 = rank_bytes(full, budget, 4)  # the lead's figure: learner/memory_model.py lead_bytes
     r["projected_lead_peak_gb_28_layers_world4"] = {
         "memory_model_rank": world4 / 1e9,
         "plus_sets_as_measured": (world4 + r["publish_sets_after_two"] * full_set) / 1e9,

@@ -34,6 +34,7 @@ FIELDS = {"step", "policy_version", "reward_mean", "pass_at_1", "loss", "grad_no
 # good) is what the run's rows are checked against.
 START = 0.0
 STEPS = 14  # replay reaches batches ~3 steps after the switch: collect, select, then queued work drains
+EVAL_QUESTIONS = 48
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,7 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
     explicitly: the fixtures pin fp32), TensorBoard and offline W&B, held-out evaluation before and after."""
     out = tmp_path_factory.mktemp("exgrpo_run") / "runs"
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
+                               f"data.eval_file={eval_slice(small, out.parent)}",
                                'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline",
                                "learner.mixed_precision=bf16", "exgrpo.enabled=true",
                                f"exgrpo.start_threshold={START}", "learner.questions_per_step=16"]),
@@ -49,6 +51,18 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
     return proc, run_dir
+
+
+def eval_slice(small: list[str], folder: Path) -> Path:
+    """The toy test set's first EVAL_QUESTIONS questions: the evaluations before and after are what is
+    checked, not the policy's accuracy (200 questions took 18 s per evaluation)."""
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+
+    full = Path(resolve_toy(load_config(None, small)).data.eval_file)
+    out = folder / "toy-test-slice.jsonl"
+    out.write_text("".join(full.read_text().splitlines(keepends=True)[:EVAL_QUESTIONS]))
+    return out
 
 
 def test_train_runs_end_to_end(exgrpo_run):

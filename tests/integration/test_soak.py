@@ -32,4 +32,6 @@ def test_churn_keeps_the_books(small, tmp_path):
     last_event = max(e["t"] for e in res["event_log"])
     after = [s["steps"] for s in res["samples"] if s["t"] > last_event]
     assert after and after[-1] > after[0], "training stopped after the last event"
-    assert res["learner_rss_mb_first_last"][0] and res["actor_rss_mb_min_max"][1] > 100  # vLLM actors measured
+    # memory is measured here, not judged: 105 s is too short for a slope (the 60-minute soak's, under
+    # 1 MB/min, is in docs/benchmarks.md); the samples must exist, for the learner and for vLLM actors
+    assert res["learner_rss_mb_first_last"][0] and res["actor_rss_mb_min_max"][1] > 100

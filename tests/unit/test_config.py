@@ -38,7 +38,7 @@ def test_paper_settings_in_7b_config():
 def test_8gpu_configs_are_the_paper_recipe_and_fit_8x80gb(name, shape):
     """ExGRPO on, LUFFY's system prompt (the very text of the authors' held-out rows), a template that
     opens <think> for the 1.5B backbone, best weights chosen without Minerva; the planner accepts the
-    placement on 8 GPUs and the memory model puts each learner rank under 80 GB."""
+    placement on 8 GPUs and the memory model puts each learner rank, the lead with its publish buffers, under 90% of an 80 GB H100."""
     from exgrpo_async.data import load_pool
     from exgrpo_async.placement import plan
     from learner import memory_model
@@ -53,9 +53,15 @@ def test_8gpu_configs_are_the_paper_recipe_and_fit_8x80gb(name, shape):
     p = plan(cfg, 8)
     assert len(p.learner) == cfg.learner.world_size and all(len(g) == cfg.actor.engine.tensor_parallel_size
                                                              for g in p.actors)
-    per_rank = memory_model.rank_bytes(getattr(memory_model, shape), cfg.learner.max_tokens_per_micro_batch,
-                                       cfg.learner.world_size)
-    assert per_rank < 80 * 10**9, f"{per_rank / 1e9:.1f} GB per learner rank"
+    s, tokens, world = getattr(memory_model, shape), cfg.learner.max_tokens_per_micro_batch, cfg.learner.world_size
+    per_rank = memory_model.rank_bytes(s, tokens, world)
+    # the lead also keeps the packed weights it sends: one set on a GPU (weight_sync.publish_sets unset)
+    assert cfg.weight_sync.publish_sets is None and cfg.model.dtype == "bfloat16"
+    lead = memory_model.lead_bytes(s, tokens, world, publish_sets=1, sync_dtype_bytes=2)
+    budget = 0.9 * memory_model.H100_80GB_BYTES
+    assert per_rank < lead < budget, f"{per_rank / 1e9:.1f} GB per learner rank, {lead / 1e9:.1f} GB on the lead"
+    if world > 1:  # two sets (the publisher before issue 33) would not fit beside a 7B rank's state
+        assert memory_model.lead_bytes(s, tokens, world, publish_sets=2) > budget
 
 
 def test_dotted_overrides_with_typed_values():

@@ -1,5 +1,6 @@
 """WeightPublisher buffer reuse: a set being sent is never overwritten by a later publish."""
 
+import pytest
 import torch
 
 from exgrpo_async.weight_sync import WeightPublisher
@@ -156,3 +157,44 @@ def test_a_broadcast_the_peer_never_takes_times_out_and_aborts_only_its_group():
     live.close()
     frozen.close()
     pub.close_group("live")
+
+
+def test_one_set_is_repacked_in_place_once_its_send_lets_go():
+    """`max_sets=1` (the GPU default: the lead holds one packed copy of a 7B model, not two): a publish
+    while a send holds the set waits for its release instead of allocating, then repacks in place."""
+    import threading
+    import time
+
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=5, max_sets=1)
+    pub.publish(1, params(1.0))
+    v, _, flat, token = pub.checkout()
+    done = threading.Event()
+    publisher = threading.Thread(target=lambda: (pub.publish(2, params(2.0)), done.set()))
+    publisher.start()
+    time.sleep(0.5)
+    assert not done.is_set() and torch.all(flat[0] == 1.0)  # the send's version is untouched meanwhile
+    pub.release(token)
+    assert done.wait(5)
+    publisher.join()
+    assert len(pub._sets) == 1 and pub.version == 2 and torch.all(pub.snapshot()[2][0] == 2.0)
+    v, _, flat2, token = pub.checkout()  # the next send gets the new version, from the same buffers
+    assert v == 2 and flat2[0].data_ptr() == flat[0].data_ptr()
+    pub.release(token)
+
+
+def test_a_publish_gives_up_on_a_set_held_past_twice_the_send_deadline():
+    from exgrpo_async.weight_sync import SyncTimeout
+
+    pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=0.2, max_sets=2)
+    pub.publish(1, params(1.0))
+    held = [pub.checkout()[3]]
+    pub.publish(2, params(2.0))  # the second set: allowed
+    held.append(pub.checkout()[3])
+    with pytest.raises(SyncTimeout, match="still held by a send"):
+        pub.publish(3, params(3.0))
+    assert len(pub._sets) == 2
+
+
+def test_max_sets_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), bucket_mb=1, timeout_s=1, max_sets=0)
