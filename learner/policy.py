@@ -1,10 +1,11 @@
 """The trained policy on this learner rank, and the operations all ranks run on it together.
 
-fp32 master weights and AdamW state; compute in bf16 with `learner.mixed_precision="bf16"`. With
-`learner.world_size` > 1 the model is sharded with FSDP2 (`fully_shard` on every decoder layer, then on
-the `LogProbs` root that holds embeddings, final norm and output head; bf16 parameters in compute and
-fp32 gradient reduction through its MixedPrecisionPolicy; gradients summed over ranks, since every
-rank's loss is already on the step's global scale).
+fp32 master weights and AdamW state; compute in bf16 under autocast with `learner.mixed_precision="bf16"`.
+With `learner.world_size` > 1 the model is sharded with FSDP2 (`fully_shard` on every decoder layer, then
+on the `LogProbs` root that holds embeddings, final norm and output head; with bf16 the layers' linear
+weights are gathered in bf16 and the rest in fp32, as one rank's autocast computes: `shard`; fp32
+gradient reduction; gradients summed over ranks, since every rank's loss is already on the step's global
+scale).
 
 Every operation below is collective: the lead calls it (announcing it to the followers first) and each
 follower runs it from `follow()`, with the same arguments:
