@@ -232,6 +232,10 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             if learner.poll() is not None or stopping:
                 raise RuntimeError(f"learner exited (code {learner.returncode}) before it was ready")
             time.sleep(0.2)
+        # a replacement joins a learner that listens already: given the address, it says hello at once
+        # and imports vLLM once welcomed (so it counts as joined seconds sooner), like an elastic actor
+        address = json.loads((run_dir / "learner.json").read_text())["address"]
+        actor_args = [["actor", "--learner", address, *args[3:]] for args in actor_args]
         restarts = [0] * cfg.actor.num_actors
         while not stopping and learner.poll() is None:
             for i, args in enumerate(actor_args):  # a crashed actor is replaced; the learner re-issues its work
