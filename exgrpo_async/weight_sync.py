@@ -275,8 +275,10 @@ class WeightPublisher:
     def checkout(self) -> tuple[int, Meta, list[torch.Tensor], int]:
         """Like `snapshot`, but the buffers stay untouched by `publish` until `release(token)`."""
         with self._lock:
+            deadline = time.monotonic() + 2 * self.timeout_s
             while self._packing == self._current:  # one set, being repacked: the next version comes next
-                self._lock.wait()
+                if not self._lock.wait(max(0.0, deadline - time.monotonic())):
+                    raise SyncTimeout(f"checkout: the publish set was still being repacked after {2 * self.timeout_s:.0f}s")
             self._users[self._current] += 1
             return self.version, self.meta, self._sets[self._current], self._current
 
