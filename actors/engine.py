@@ -98,6 +98,13 @@ def engine_kwargs(model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on
     return kwargs
 
 
+def _engine_fingerprint(done: list[dict], asked: bool) -> dict[str, int] | None:
+    """The engine's fingerprint from its workers' replies (each its share), when the learner asked."""
+    from actors.fingerprint import combine
+
+    return combine([d["fingerprint"] for d in done]) if asked else None
+
+
 def engine_workers(vllm_config) -> int:
     """The engine's real worker count (tensor x pipeline parallel), as vLLM resolved it: the size of
     the actor's share of its weight-sync group."""
@@ -155,8 +162,8 @@ class VLLMEngine:
         """Receive and load `version`; with `fingerprint`, `self.fingerprint` is then that of the weights
         the engine computes with (`corrupt`: the fault drill changes one first)."""
         t0 = time.perf_counter()
-        done = self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt))[0]
-        self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
+        done = self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt))
+        self.reload_mode, self.fingerprint = done[0]["reload"], _engine_fingerprint(done, fingerprint)
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.policy_version = version
         return time.perf_counter() - t0
@@ -220,8 +227,8 @@ class AsyncVLLMEngine:
         """Initial load with nothing in flight: receive and load in one go (`fingerprint`, `corrupt`: as
         VLLMEngine.load_weights)."""
         t0 = time.perf_counter()
-        done = (await self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt)))[0]
-        self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
+        done = await self.llm.collective_rpc("ws_recv", args=(meta, fingerprint, corrupt))
+        self.reload_mode, self.fingerprint = done[0]["reload"], _engine_fingerprint(done, fingerprint)
         await self.llm.reset_prefix_cache()
         self.policy_version = version
         return time.perf_counter() - t0
@@ -248,14 +255,14 @@ class AsyncVLLMEngine:
         await vllm_surface.pause_scheduler(self.llm, mode)
         t_paused = time.perf_counter()
         try:
-            done = (await self.llm.collective_rpc("ws_commit", args=(fingerprint, corrupt)))[0]
-            self.reload_mode, self.fingerprint = done["reload"], done["fingerprint"]
+            done = await self.llm.collective_rpc("ws_commit", args=(fingerprint, corrupt))
+            self.reload_mode, self.fingerprint = done[0]["reload"], _engine_fingerprint(done, fingerprint)
             self.policy_version = version
         finally:
             await self.llm.resume_generation()
         t_end = time.perf_counter()
         stall = t_end - (t_pause if mode == "abort" else t_paused)
-        return {"total": t_end - t0, "pause": t_paused - t_pause, "stall": stall, "commit": done["seconds"]}
+        return {"total": t_end - t0, "pause": t_paused - t_pause, "stall": stall, "commit": max(d["seconds"] for d in done)}
 
     async def close_weight_sync(self) -> None:
         await self.llm.collective_rpc("ws_close")

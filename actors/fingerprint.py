@@ -4,6 +4,14 @@ Linear layers (and the LM head) are probed through their own `quant_method.apply
 takes: on CPU their weights live only in oneDNN's packed copies (the parameter is empty), and a stale
 packed copy is the failure this must catch. Every other parameter is summed as stored. Runs inside the
 worker process (`WeightSyncExtension.ws_fingerprint`).
+
+Tensor parallel: each worker fingerprints its share so that the workers' fingerprints, summed block
+by block (`combine`), are the whole model's. Bit sums add over disjoint parts, so a column-parallel
+layer's or a vocabulary layer's row slice is probed as it is; a row-parallel layer's column slice is
+probed at the whole layer's probe columns that fall in it (each plus the bias); a parameter every
+worker holds whole (norms, a row-parallel bias) is summed by worker 0 only. Key/value heads copied
+onto several workers (fewer KV heads than workers) would be counted twice: such an engine reports no
+fingerprint (None), and its loads go unchecked.
 """
 
 from __future__ import annotations
@@ -14,29 +22,65 @@ from actors import vllm_surface
 from exgrpo_async.fingerprint import MASK, bitsum, block_of, probe_columns
 
 
+def _probe_input(cols: list[int], width: int, like: torch.nn.Module) -> torch.Tensor:
+    dtype = next((p.dtype for p in like.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    x = torch.zeros(len(cols), width, dtype=dtype, device=next(like.parameters()).device)
+    x[torch.arange(len(cols)), torch.tensor(cols)] = 1
+    return x
+
+
 @torch.no_grad()
-def engine_fingerprint(model: torch.nn.Module) -> dict[str, int]:
-    """Per block, the bit sum of the probed outputs of its linear layers and of its other parameters."""
+def engine_fingerprint(model: torch.nn.Module) -> dict[str, int] | None:
+    """Per block, the bit sum of the probed outputs of this worker's linear layers and of its other
+    parameters (its share of them, under tensor parallelism); None if the shares do not add up."""
     LinearBase, ParallelLMHead = vllm_surface.probed_layer_classes()
+    Column, Row, Vocab = vllm_surface.sharded_layer_classes()
+    rank = next((m.tp_rank for m in model.modules() if isinstance(m, LinearBase)), 0)
     out: dict[str, int] = {}
+
+    def add(key: str, value: int) -> None:
+        out[key] = (out.get(key, 0) + value) & MASK
+
     probed: set[str] = set()
+    shares: set[str] = set()  # parameters this worker holds a slice of; the others are whole on every worker
     for name, mod in model.named_modules():
-        if not isinstance(mod, (LinearBase, ParallelLMHead)):
-            continue
-        width = mod.embedding_dim if isinstance(mod, ParallelLMHead) else mod.input_size_per_partition
-        cols = probe_columns(width)
-        dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), torch.get_default_dtype())
-        x = torch.zeros(len(cols), width, dtype=dtype, device=next(mod.parameters()).device)
-        x[torch.arange(len(cols)), torch.tensor(cols)] = 1
-        if isinstance(mod, ParallelLMHead):
-            y = mod.quant_method.apply(mod, x)
-        else:
-            y = mod.quant_method.apply(mod, x, getattr(mod, "bias", None))
-        key = block_of(name + ".weight")
-        out[key] = (out.get(key, 0) + bitsum(y)) & MASK
-        probed.add(name + ".weight")
+        if getattr(mod, "num_kv_head_replicas", 1) > 1:
+            return None
+        if isinstance(mod, (Column, Vocab)):
+            shares |= {f"{name}.{p}" for p, _ in mod.named_parameters(recurse=False)}
+        if isinstance(mod, (LinearBase, ParallelLMHead)):
+            probed.add(name + ".weight")
+            add(block_of(name + ".weight"), bitsum(_probe(mod, Row, ParallelLMHead)))
     for name, p in model.named_parameters():  # tied weights appear once, under the embedding's name
-        if name not in probed:
-            key = block_of(name)
-            out[key] = (out.get(key, 0) + bitsum(p)) & MASK
+        if name not in probed and (name in shares or rank == 0):
+            add(block_of(name), bitsum(p))
+    return out
+
+
+def _probe(mod: torch.nn.Module, Row: type, ParallelLMHead: type) -> torch.Tensor:
+    """The layer's outputs for the one-hot probes of exgrpo_async.fingerprint.probe_columns; a
+    row-parallel slice answers for the whole layer's probe columns that fall in it (an empty tensor
+    if none does), each plus the bias (whole on every worker), as the learner's probe adds it."""
+    if isinstance(mod, ParallelLMHead):
+        return mod.quant_method.apply(mod, _probe_input(probe_columns(mod.embedding_dim), mod.embedding_dim, mod))
+    width, bias = mod.input_size_per_partition, getattr(mod, "bias", None)
+    if isinstance(mod, Row) and mod.tp_size > 1:
+        start = mod.tp_rank * width
+        cols = [c - start for c in probe_columns(mod.input_size) if start <= c < start + width]
+        if not cols:
+            return torch.zeros(0)
+    else:
+        cols = probe_columns(width)
+    return mod.quant_method.apply(mod, _probe_input(cols, width, mod), bias)
+
+
+def combine(per_worker: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """The engine's fingerprint from its workers' (in any order): their block sums added; None if any
+    worker has none."""
+    if any(f is None for f in per_worker):
+        return None
+    out: dict[str, int] = {}
+    for f in per_worker:
+        for key, value in f.items():
+            out[key] = (out.get(key, 0) + value) & MASK
     return out

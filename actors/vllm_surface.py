@@ -9,7 +9,9 @@ across releases; what follows is not, and was written against vLLM 0.32 (`vllm-c
   (`vllm.model_executor.model_loader.reload`);
 - the engine core's scheduler pause (`AsyncLLM.engine_core.pause_scheduler_async`), used by in-flight
   updates without `pause_generation`'s trailing sleep, and the engine core's `shutdown`;
-- linear layers' classes and their `quant_method.apply`, which the fingerprint probe calls;
+- linear layers' classes and their `quant_method.apply`, which the fingerprint probe calls, and the
+  tensor-parallel layer classes and attributes (`tp_rank`, `tp_size`, `input_size`,
+  `input_size_per_partition`, `num_kv_head_replicas`) that say which share a worker holds;
 - on CPU, the pre-packed swap's internals (actors/cpu_reload.py): the default weight loader, the
   reload metadata's sentinel and records, and the oneDNN ops.
 `check_version` runs before an engine starts: another minor fails there, with what to install, rather
@@ -81,6 +83,17 @@ def probed_layer_classes() -> tuple[type, type]:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     return LinearBase, ParallelLMHead
+
+
+def sharded_layer_classes() -> tuple[type, type, type]:
+    """(column-parallel linears, row-parallel linears, vocab-parallel embeddings): how a tensor-parallel
+    worker holds its share. Column-parallel layers (q/k/v, gate/up; their biases too) and vocabulary
+    layers keep a slice of the output rows, row-parallel ones (o, down) a slice of the input columns
+    (their bias whole, added by worker 0 only); every other parameter is whole on every worker."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def default_weight_loader() -> Callable:

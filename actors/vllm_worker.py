@@ -173,9 +173,9 @@ class WeightSyncExtension:
                 qm.process_weights_after_loading(model.lm_head)
 
     def ws_fingerprint(self) -> dict[str, int] | None:
-        """The fingerprint of the weights the model computes with now (actors/fingerprint.py); None for a
-        tensor-parallel worker, whose shards the learner's per-block sums do not describe."""
-        if getattr(self, "_ws", None) is None or self._ws_world > 2:
+        """This worker's share of the fingerprint of the weights the model computes with now
+        (actors/fingerprint.py: the engine's is the workers' shares combined)."""
+        if getattr(self, "_ws", None) is None:
             return None
         from actors.fingerprint import engine_fingerprint
 

@@ -271,7 +271,7 @@ class LearnerServer:
             if info.world is None:
                 raise WireError(f"sync from {info.actor_id} before it asked for its weight-sync group")
             version, meta, flat, token = self.publisher.checkout()
-            check = self.cfg.weight_sync.fingerprint and info.world == 2  # not a tensor-parallel engine
+            check = self.cfg.weight_sync.fingerprint  # a tensor-parallel engine reports its workers' shares combined
             info.jobs.put(("send", info.group_key, flat, token, (version, meta) if check else None))
             self.sock.send(peer, encode_control("sync", version=version, meta=meta, fingerprint=check))
             info.version = version

@@ -5,7 +5,8 @@ its sampled-token log-probs must match the learner's log_softmax: with tied embe
 pitfall), without them, and for prompts longer than the 128-token prefix-cache block (stale-KV pitfall);
 through the pre-packed swap (actors/cpu_reload.py, the default) and vLLM's layerwise reload. The
 broadcast uses 1 MB buckets, so the swap stages layers across several buckets. A tensor-parallel engine
-(TP 2: two vLLM worker processes, one CPU core each) joins with both workers and must match too.
+(TP 2: two vLLM worker processes, one CPU core each) joins with both workers and must match too, its
+fingerprint the sum of its workers' shares.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def sync(engine: VLLMEngine, pub: WeightPublisher, model, version: int, named: l
     engine.load_weights(meta, version, fingerprint=True, corrupt=corrupt)
     t.join(timeout=60)
     assert not t.is_alive()
-    return mismatched(engine.fingerprint, pub.fingerprint(version, meta, flat)) if engine.fingerprint is not None else None
+    assert engine.fingerprint is not None
+    return mismatched(engine.fingerprint, pub.fingerprint(version, meta, flat))
 
 
 def prepacked_counts(worker) -> dict[str, int]:
@@ -85,8 +87,8 @@ def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            # the engine computes with exactly the weights sent (its fingerprint; a TP engine has none)
-            assert sync(engine, pub, model, version) == ([] if tp == 1 else None)
+            # the engine computes with exactly the weights sent (its fingerprint: a TP engine's workers' shares)
+            assert sync(engine, pub, model, version) == []
             # a TP worker loads its shards through vLLM's loaders: the swap is for one worker
             assert engine.policy_version == version and engine.reload_mode == (reload if tp == 1 else "layerwise")
             if reload == "prepacked" and tp == 1:  # the bucket plan lays fused projections out: no shadow copies
@@ -103,9 +105,9 @@ def test_vllm_matches_learner_after_sync(policy, reload, tp, request):
         for s in samples:
             diff = (hf_logprobs(model, prompt_ids.tolist(), s.token_ids.tolist()) - torch.from_numpy(s.logprobs)).abs().max()
             assert diff < 1e-3
-        if tp == 1:  # a load that leaves one weight wrong (the fault drill) is caught, in its block only
-            assert sync(engine, pub, model, 3, corrupt=True) == ["model"]
-            assert sync(engine, pub, model, 4) == []  # and the next load repairs it
+        # a load that leaves one weight wrong (the fault drill) is caught, in its block only
+        assert sync(engine, pub, model, 3, corrupt=True) == ["model"]
+        assert sync(engine, pub, model, 4) == []  # and the next load repairs it
     finally:
         engine.close()
         pub.close_group("a")

@@ -86,3 +86,18 @@ def test_a_mismatch_is_counted_and_taints_that_actor_and_version():
     for bad in ([1, 2], {"model": -1}, {"model": 2**64}, {"model": True}, {1: 2}):
         with pytest.raises(WireError):
             check.check("actor-1", 4, bad)
+
+
+def test_a_tensor_parallel_engines_shares_add_up_to_the_whole():
+    """actors/fingerprint.py `combine`: each worker's block sums over its slice add (mod 2**64) to the
+    whole model's, and one worker without a fingerprint leaves the engine without one."""
+    from actors.fingerprint import combine
+
+    g = torch.Generator().manual_seed(0)
+    embed, norm = torch.randn(10, 4, generator=g), torch.randn(4, generator=g)
+    whole = expected({"model.embed_tokens.weight": embed, "model.norm.weight": norm})
+    # a vocabulary split in two rows slices; the norm, whole on both workers, counted by worker 0 only
+    shares = [{"model": (bitsum(embed[:5]) + bitsum(norm)) & ((1 << 64) - 1)}, {"model": bitsum(embed[5:])}]
+    assert combine(shares) == {k: v for k, v in whole.items() if k == "model"}
+    assert combine([shares[0], shares[0]]) != combine(shares)
+    assert combine([shares[0], None]) is None
