@@ -39,6 +39,7 @@ from learner.overlap import Accumulator, WholeBatch
 from learner.update import Batch, StepSettings
 
 log = logging.getLogger("exgrpo_async.learner")
+STOP_FILE = "STOP"  # `touch RUN_DIR/STOP` ends a run after its current step, finished as at max_steps
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -97,6 +98,7 @@ class Shell:
         self.eval_pool = load_pool([d.eval_file], skip_bad_rows=d.skip_bad_rows) if d.eval_file else None
         if train_pool.skipped:
             log.warning("skipped %d bad training rows (first: %s)", len(train_pool.skipped), train_pool.skipped[0])
+        self.rows_skipped = len(train_pool.skipped) + (len(self.eval_pool.skipped) if self.eval_pool else 0)
         render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tok)  # noqa: E731
         self.questions = {"train": train_pool.questions, "eval": self.eval_pool.questions if self.eval_pool else []}
         self.prompts = {name: [render(q) for q in qs] for name, qs in self.questions.items()}
@@ -283,8 +285,14 @@ class Shell:
         return (tokens // every + 1) * every if every else None
 
     def budget_spent(self, step: int) -> bool:
-        """Whether a token or time budget (`max_generated_tokens`, `max_seconds`) ends the run at `step`."""
+        """Whether a token or time budget (`max_generated_tokens`, `max_seconds`) or a stop file
+        (RUN_DIR/STOP, which this consumes) ends the run at `step`."""
         L = self.cfg.learner
+        stop = self.run_dir / STOP_FILE
+        if stop.exists():
+            stop.unlink()  # read once: a resumed run does not stop at its first step
+            log.info("step %d: %s found; ending the run as at learner.max_steps", step, stop)
+            return True
         if L.max_generated_tokens is not None and self.totals["tokens"] >= L.max_generated_tokens:
             log.info("step %d: %d fresh tokens generated, budget %d reached", step, self.totals["tokens"],
                      L.max_generated_tokens)
@@ -376,6 +384,7 @@ class Shell:
             **{k: s.counters[k] for k in ("fingerprints_checked", "fingerprints_unchecked",
                                           "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
+            "data_rows_skipped": self.rows_skipped,  # bad rows of the train and eval files (data.skip_bad_rows)
             **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),
         })
