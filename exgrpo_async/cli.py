@@ -71,6 +71,20 @@ def _load(args):
         sys.exit(2)
 
 
+def _rehearsal(args):
+    """The rehearsal's config, after printing the node's plan and every setting it replaces."""
+    from exgrpo_async.rehearse import rehearsal
+
+    try:
+        cfg, gpu_plan, changes = rehearsal(args.config, args.overrides)
+    except ValueError as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        sys.exit(2)
+    print("rehearsal on CPU of the node's plan:\n" + gpu_plan.table() + "\nreplaced for the rehearsal:\n" +
+          "\n".join(f"  {line}" for line in changes), flush=True)
+    return cfg
+
+
 def _sigterm_exits() -> None:
     def handler(*_):
         raise SystemExit(143)
@@ -91,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint (its config.json is the default config; overrides such as learner.max_steps apply)")
     p_train.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement, "
                          "start nothing")
+    p_train.add_argument("--rehearse", action="store_true", help="rehearse a GPU config on this machine's CPU: its "
+                         "process topology, placement and code path at the toy shape, a few steps "
+                         "(exgrpo_async/rehearse.py; prints every setting it replaces)")
     p_learner = sub.add_parser("learner", parents=[common], help="run the learner process")
     _config_args(p_learner)
     p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
@@ -164,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         from exgrpo_async.metrics import check_trackers
         from exgrpo_async.placement import PlacementError
 
-        cfg = _load(args)
+        if args.rehearse and args.resume:
+            print("exgrpo-async: --rehearse with --resume: a rehearsed run resumes as one (its config.json says so)",
+                  file=sys.stderr)
+            return 2
+        cfg = _rehearsal(args) if args.rehearse else _load(args)
         try:
             check_trackers(cfg.metrics.trackers)  # a missing extra fails now, not after the warm start
         except ValueError as e:

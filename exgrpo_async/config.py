@@ -213,6 +213,10 @@ class PlacementConfig(_Strict):
     actor_gpus: list[list[int]] | None = None
     """Each local actor's GPUs, `actor.engine.tensor_parallel_size` each (None: the GPUs after the
     learner's, in order)."""
+    rehearse: bool = False
+    """A CPU rehearsal of this GPU plan (`train --rehearse`, exgrpo_async/rehearse.py): each process gets
+    the CUDA_VISIBLE_DEVICES the plan gives it on the node, but trains and generates on CPU, so the
+    node's CUDA devices are not counted."""
 
 
 class LearnerConfig(_Strict):
@@ -477,8 +481,10 @@ class WeightSyncConfig(_Strict):
     exgrpo_async/fingerprint.py) and reports it; the learner compares it with the published version's,
     counts a mismatch (`weight_fingerprint_mismatches`, alert ExgrpoWeightFingerprintMismatch), re-sends
     the weights and trains on nothing that actor generated with them. Costs a read of the embeddings and
-    a few columns of every matrix per load. Tensor-parallel engines are not fingerprinted. Turn off only
-    for a model whose loader transforms weights (every sync would mismatch)."""
+    a few columns of every matrix per load. A tensor-parallel engine's workers each fingerprint their
+    share and the actor adds them up (actors/fingerprint.py); an engine with key/value heads copied onto
+    several workers reports none. Turn off only for a model whose loader transforms weights (every sync
+    would mismatch)."""
 
 
 class MetricsConfig(_Strict):
@@ -604,6 +610,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as e:
         lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
         raise ValueError("invalid config" + (f" ({path})" if path else "") + ":\n" + "\n".join(lines)) from None
+
+
+def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """`cfg` with dotted keys set to `values` (Python values, not override text), validated again."""
+    tree = json.loads(cfg.model_dump_json())
+    for key, value in values.items():
+        _set_dotted(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ValueError("invalid config:\n" + "\n".join(lines)) from None
 
 
 def config_from_json(text: str) -> RunConfig:

@@ -179,7 +179,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         return 2
     cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
-    if gpu_plan is not None:
+    if gpu_plan is not None and not cfg.placement.rehearse:
         import torch
 
         check_devices(gpu_plan, torch.cuda.device_count())
@@ -210,6 +210,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         learner_env = dict(env, OMP_NUM_THREADS=str(cfg.learner.threads))
         if gpu_plan:
             learner_env["CUDA_VISIBLE_DEVICES"] = visible(gpu_plan.learner, env.get("CUDA_VISIBLE_DEVICES"))
+            log.info("learner ranks: CUDA_VISIBLE_DEVICES=%s", learner_env["CUDA_VISIBLE_DEVICES"])
         ranks = [_spawn(learner_args, rank_env, spare)
                  for rank_env in learner_rank_envs(learner_env, cfg.learner.world_size)]
         learner = ranks[0]
@@ -227,6 +228,8 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
             actor_envs.append(dict(env, OMP_NUM_THREADS=str(cfg.actor.threads),
                                    **({"CUDA_VISIBLE_DEVICES": visible(gpu_plan.actors[i], env.get("CUDA_VISIBLE_DEVICES"))}
                                       if gpu_plan else {})))
+            if gpu_plan:
+                log.info("actor %d: CUDA_VISIBLE_DEVICES=%s", i + 1, actor_envs[i]["CUDA_VISIBLE_DEVICES"])
             children.append(_spawn(args, actor_envs[i], nice=actor_nice))
         while not (run_dir / "learner.json").exists():
             if learner.poll() is not None or stopping:

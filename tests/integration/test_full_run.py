@@ -101,21 +101,6 @@ def test_train_runs_end_to_end(exgrpo_run):
     assert "set_num_threads" not in proc.stderr and "LD_PRELOAD" not in proc.stderr
 
 
-def test_a_tensor_parallel_actor_joins_with_every_worker_and_trains(small, tmp_path):
-    """One actor whose vLLM engine runs TP 2 (two worker processes, a core each): both workers are ranks
-    of its weight-sync group (3 with the learner), every sync reaches them, and training completes."""
-    out = tmp_path / "runs"
-    proc = subprocess.run(cli(["train", *small, "learner.max_steps=2", "actor.num_actors=1",
-                               "actor.engine.tensor_parallel_size=2", "data.eval_file=none", "metrics.port=none",
-                               f"output_dir={out}"]), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "weight-sync group of 3 (tensor parallel 2)" in proc.stderr
-    (run_dir,) = list(out.iterdir())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["syncs"] >= 2 and summary["questions_unaccounted"] == 0
-    assert summary["actors_lost"] == 0
-
-
 def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeouts(small, tmp_path):
     """The stream actor loop (`actor.engine.kind=stream`: in-flight weight updates) in a real run, with two
     faults. The fault drill corrupts one weight after the actor's third load: its fingerprint must be

@@ -1,0 +1,98 @@
+"""The shipped 8-GPU configs rehearsed on CPU (`exgrpo-async train --config C --rehearse`, exgrpo_async/rehearse.py).
+
+Each config runs its own process topology and code path at the toy shape: its GPU plan (every process
+started with the CUDA_VISIBLE_DEVICES the node would give it), its learner ranks (FSDP2 over gloo, the
+bf16 recipe, gradient checkpointing, packed micro-batches), its actors' tensor-parallel engines, its data
+format (verl parquet rows with the system prompt, a bad row skipped and counted), ExGRPO, evaluation
+with the best-weights rule that leaves Minerva out, checkpoints, and `train --resume` (at 4 ranks; one
+rank's resume is test_resume.py's). Only the kernels differ (and the number of actors: one, of the
+config's kind). The 7B rehearsal's TP-2 actor is also the suite's tensor-parallel `train` run: both
+workers in the weight-sync group, every load fingerprinted as the workers' shares.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from exgrpo_async.config import load_config
+from exgrpo_async.rehearse import EVAL_SOURCES, STEPS
+from tests.integration.conftest import SFT_STEPS, TOY_CACHE
+from tests.integration.helpers import cli
+
+pytestmark = pytest.mark.slow  # a 4-step run (and the 7B's resume): 1.5-4 min each
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}", "metrics.port=none"]
+
+
+def rows_of(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in rows if "eval" not in r], [r for r in rows if "eval" in r]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-math-7b-8gpu", "qwen2.5-math-1.5b-8gpu"])
+def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
+    config = REPO / "configs" / f"{name}.toml"
+    node = load_config(config)
+    L, tp = node.learner, node.actor.engine.tensor_parallel_size
+    proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, f"output_dir={tmp_path / 'runs'}"]),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # the node's plan, and each process started with its share of it
+    learner_gpus = ",".join(map(str, range(L.world_size)))
+    assert f"learner ({L.world_size} rank(s)): GPUs {learner_gpus}" in proc.stdout
+    assert f"learner ranks: CUDA_VISIBLE_DEVICES={learner_gpus}" in proc.stderr
+    actor_gpus = ",".join(map(str, range(L.world_size, L.world_size + tp)))
+    assert f"actor 1: CUDA_VISIBLE_DEVICES={actor_gpus}" in proc.stderr
+    assert "actor 2: CUDA_VISIBLE_DEVICES" not in proc.stderr  # one actor of the config's kind
+    if tp > 1:
+        assert f"weight-sync group of {1 + tp} (tensor parallel {tp})" in proc.stderr
+    (run_dir,) = list((tmp_path / "runs").glob("run-*"))
+    cfg = json.loads((run_dir / "config.json").read_text())
+    # what the rehearsal kept from the config: the topology and the numerical recipe
+    assert cfg["learner"]["world_size"] == L.world_size and cfg["actor"]["engine"]["tensor_parallel_size"] == tp
+    assert cfg["learner"]["gradient_checkpointing"] and cfg["learner"]["mixed_precision"] == "bf16"
+    assert cfg["model"]["dtype"] == node.model.dtype == "bfloat16"
+    assert cfg["data"]["system_prompt"] == node.data.system_prompt and cfg["data"]["use_chat_template"]
+    assert cfg["learner"]["best_exclude_sources"] == ["minerva"] and cfg["exgrpo"]["enabled"]
+    assert (cfg["weight_sync"]["backend"], cfg["learner"]["device"], cfg["placement"]["rehearse"]) == ("gloo", "cpu", True)
+
+    steps, evals = rows_of(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["rollouts"] == cfg["learner"]["questions_per_step"] * node.rollout.samples_per_question for r in steps)
+    assert any(r.get("selected_entropy_mean") is not None for r in steps), "ExGRPO's selection never ran"
+    assert [e["step"] for e in evals] == [2]  # every 2 steps, the last step's evaluation is the summary's
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["questions_unaccounted"] == 0 and summary["data_rows_skipped"] == 1
+    # every sync reached the actor's every worker, and the engine's fingerprint (its workers' shares
+    # combined, under TP) matched what was sent, every time
+    assert summary["actors_lost"] == 0 and summary["syncs"] >= STEPS
+    assert summary["fingerprints_checked"] >= STEPS and summary["weight_fingerprint_mismatches"] == 0
+    assert summary["fingerprints_unchecked"] == 0
+    for ev in (evals[0]["eval"], summary["after"]):
+        assert set(ev["by_source"]) == set(EVAL_SOURCES.values())
+        kept = [acc for src, acc in ev["by_source"].items() if src != "minerva"]
+        assert ev["score"] == pytest.approx(sum(kept) / len(kept))  # Minerva left out of the best-weights score
+    # the best weights: the first evaluation, unless the final one scored higher
+    best_step = 2 if evals[0]["eval"]["score"] >= summary["after"]["score"] else STEPS
+    assert (summary["best"]["step"], summary["best"]["excluded"]) == (best_step, ["minerva"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")) == \
+        [f"step-{s:06d}" for s in (2, 4)]
+
+    if L.world_size == 1:  # a one-rank learner's resume is test_resume.py's and the 2-rank drill's
+        return
+    # the rehearsed run resumes as one (its config.json), on the same topology: its ranks load their shards
+    resumed = subprocess.run(cli(["train", "--resume", str(run_dir), f"learner.max_steps={STEPS + 1}",
+                                  "data.eval_file=none"]),  # its evaluations are the first run's
+                             capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert re.search(rf"resumed from \S*step-{STEPS:06d}: step {STEPS},", resumed.stderr), resumed.stderr[-3000:]
+    assert f"learner ranks: CUDA_VISIBLE_DEVICES={learner_gpus}" in resumed.stderr
+    steps, _ = rows_of(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 2))
+    assert json.loads((run_dir / "summary.json").read_text())["questions_unaccounted"] == 0
