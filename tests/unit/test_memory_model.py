@@ -12,8 +12,8 @@ from learner.memory_model import LLAMA31_8B, QWEN25_05B, QWEN25_7B, gpus_needed,
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # a real step at the 0.5B shape in a fresh process: 40-60 s on 2 busy cores
-@pytest.mark.parametrize("path,tokens", [("new", 2048)])
+@pytest.mark.slow  # a real step at the 0.5B shape in a fresh process: 30-50 s on 2 busy cores
+@pytest.mark.parametrize("path,tokens", [("new", 1024)])
 def test_memory_model_predicts_a_measured_step(path, tokens):
     """One real step at the Qwen2.5-0.5B shape (1 layer), in a fresh process (ops/bench/learner_memory.py),
     on the path the learner uses; the old full-logits path and more lengths and layers are measured against
