@@ -389,6 +389,11 @@ class ExGRPOConfig(_Strict):
     (un-retired: collectable and replayable again, and back in the fresh pool from the next epoch). 0: off."""
     reinject_frac: float = Field(0.1, gt=0, le=1)
     """Share of the retired questions put back each `reinject_every` steps."""
+    discard_displaced: bool = True
+    """The authors' collate: each experience question queued displaces one fresh draw, which is
+    discarded (the question sampler moves past it), so an epoch of the training pool lasts as many
+    steps as on-policy GRPO's and retirement prunes the same later epochs. False keeps the displaced
+    draws for later steps, so ExGRPO's epochs last about 1/(1 - rho) times longer (the ablation)."""
     selection_batch_sequences: int = Field(64, gt=0)
     """Sequences per no-grad forward when scoring stored trajectories."""
 

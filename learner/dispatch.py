@@ -59,12 +59,15 @@ class WorkItem:
 
 class Dispatcher:
     def __init__(self, next_question, questions_per_step: int, samples: int, temperature: float, max_staleness: int,
-                 exclude_questions=None, sampling_seed: int | None = None, include_questions=None):
+                 exclude_questions=None, sampling_seed: int | None = None, include_questions=None,
+                 discard_displaced: bool = False):
         self._next_question = next_question  # callable -> question id (the epoch sampler)
         self._exclude_questions = exclude_questions  # callable(set of ids): drop from later epochs
         self._include_questions = include_questions  # callable(ids): back into later epochs (re-injection)
         self.B, self.K, self.temperature, self.eta = questions_per_step, samples, temperature, max_staleness
         self.sampling_seed = sampling_seed  # None: vLLM's own RNG; else every item gets a derived seed
+        self.discard_displaced = discard_displaced  # an experience item queued uses up one fresh draw
+        self.displaced_discarded = 0  # fresh draws discarded so (exgrpo.discard_displaced)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._retry: deque[int] = deque()
@@ -180,11 +183,17 @@ class Dispatcher:
                 self._eval.append(WorkItem(0, qid, n, "eval", temperature, min_version=min_version))
 
     def add_experience(self, plan: list[tuple[int, Any]], n: int) -> None:
-        """Queue experience questions: (question id, trajectory to replay), each with n fresh samples."""
+        """Queue experience questions: (question id, trajectory to replay), each with n fresh samples.
+        With `discard_displaced` each one also draws the fresh question it displaces and discards it (the
+        authors' collate, which replaces fresh draws of the batch by experience): the sampler moves
+        through an epoch of the pool at the on-policy pace. A re-issued item displaces nothing more."""
         with self._lock:
             for qid, traj in plan:
                 self._experience.append(WorkItem(0, qid, n, "train", self.temperature, replay=traj))
                 self._open[qid] = self._open.get(qid, 0) + 1
+                if self.discard_displaced:
+                    self._next_question()
+                    self.displaced_discarded += 1
 
     def experience_done(self, question_ids: Iterable[int]) -> None:
         """Close one open experience item per id: the loop trained those experience groups (or gave them
@@ -258,6 +267,7 @@ class Dispatcher:
             self._ids = itertools.count(nxt)  # peeking consumes; put the id back
             return {
                 "version": self.version, "train_consumed": self.train_consumed, "next_work_id": nxt,
+                "displaced_discarded": self.displaced_discarded,
                 "retry": list(self._retry) + [w.question_id for w in back if w.replay is None],
                 "experience": [_item_state(w) for w in experience],
                 "sampler": sampler.state_dict() if sampler is not None else None,
@@ -269,6 +279,7 @@ class Dispatcher:
         with self._lock:
             self.version, self.train_consumed = int(state["version"]), int(state["train_consumed"])
             self.train_dispatched = self.train_consumed  # nothing is in flight after a restart
+            self.displaced_discarded = int(state.get("displaced_discarded", 0))
             # actors outlive a learner crash and reconnect, so late replies to the old process's work
             # (issued up to the crash, past the saved counter) must not match a new item: work ids
             # move on to the next epoch of 2**40, which no process ever exhausts

@@ -3,7 +3,8 @@
 After each update, in the authors' order (docs/exgrpo-algorithm.md sections 0, 2, 3, 7):
 1. retire every question whose group was solved K/K (the replayed trajectory counts toward k);
 2. collect, once the delayed start has fired, the correct fresh trajectories of partly solved groups
-   (1 <= k <= K-1) with their pi_past log-probs, and move each question to bucket k;
+   (1 <= k <= K-1) with their pi_past log-probs, and move each question to bucket k (an experience
+   group whose only correct answer is the replay too: k = 1, nothing new stored);
 3. switch: the first step whose batch pass@1 (fresh responses) exceeds `start_threshold` turns
    collection and replay on for good. The switch is tracked with ExGRPO off too: the loss's clip
    schedule (`learner.clip_schedule`) follows it in both arms, so an on-policy baseline differs from
@@ -53,6 +54,7 @@ class Experience:
         self.bucket_at_selection: dict[int, int] = {}
         self.replays: Counter[int] = Counter()  # question id -> times replayed in a trained batch
         self.reinjected = 0
+        self.replay_only_correct = 0  # experience groups whose every fresh sample was wrong (moved to bucket 1)
 
     @property
     def mixed(self) -> bool:
@@ -78,7 +80,8 @@ class Experience:
             self._reinject(dispatcher, rng)
         t_sel = time.time()
         plan, pools = self._choose(dispatcher, score, rng) if self.mixed else ([], {})
-        return self._metrics(batch, version, plan, pools, time.time() - t_sel, collecting)
+        return {**self._metrics(batch, version, plan, pools, time.time() - t_sel, collecting),
+                "displaced_discarded_total": dispatcher.displaced_discarded}
 
     # ------------------------------------------------------------------ the rules
     def _retire_and_collect(self, batch: Batch, pi_past: dict[int, torch.Tensor], dispatcher: Dispatcher) -> None:
@@ -93,11 +96,14 @@ class Experience:
             if self.X.retire and g.k == g.size:
                 self.buffer.retire(g.question_id)
                 newly_retired.add(g.question_id)
-            elif gi in by_group:
+            elif gi in by_group or (g.replay is not None and 0 < g.k < g.size):
+                # an experience group whose only correct answer is the replay (k = 1) has nothing new to
+                # store, but its question moves to bucket 1 all the same: the authors count the replay in k
                 self.prompt_ids_of[g.question_id] = g.prompt
                 correct = [Trajectory(np.asarray(s.completion, np.int32),
                                       (pi_past[i] if self.X.pi_past == "learner" else s.logprobs).numpy(),
-                                      g.policy_version) for i, s in by_group[gi]]
+                                      g.policy_version) for i, s in by_group.get(gi, [])]
+                self.replay_only_correct += g.replay is not None and not correct
                 self.buffer.record(g.question_id, g.k, correct)
         self.buffer.end_step()
         dispatcher.retire(newly_retired)
@@ -152,15 +158,18 @@ class Experience:
             "replay_top10_share": sum(counts[:10]) / total if total else None,
             "selected_entropy_mean": sum(sc for _, _, sc in plan) / len(plan) if plan else None,
             "selection_seconds": selection_s,
+            "replay_only_correct_total": self.replay_only_correct,
         }
 
     def state_dict(self) -> dict:
         return {"mixed": self.started, "bucket_at_selection": self.bucket_at_selection,
-                "replays": dict(self.replays), "reinjected": self.reinjected}
+                "replays": dict(self.replays), "reinjected": self.reinjected,
+                "replay_only_correct": self.replay_only_correct}
 
     def load_state_dict(self, st: dict, prompt_ids_of: dict[int, list[int]]) -> None:
         self.started = st["mixed"]
         self.bucket_at_selection.update(st["bucket_at_selection"])
         self.replays.update({int(q): int(n) for q, n in st.get("replays", {}).items()})
         self.reinjected = int(st.get("reinjected", 0))
+        self.replay_only_correct = int(st.get("replay_only_correct", 0))
         self.prompt_ids_of.update(prompt_ids_of)

@@ -65,7 +65,8 @@ class Shell:
         B, K = L.questions_per_step, cfg.rollout.samples_per_question
         self.dispatcher = Dispatcher(self.sampler.next, B, K, cfg.rollout.temperature, L.max_staleness,
                                      self.sampler.exclude, sampling_seed=L.seed if cfg.rollout.seeded else None,
-                                     include_questions=self.sampler.include)
+                                     include_questions=self.sampler.include,
+                                     discard_displaced=cfg.exgrpo.enabled and cfg.exgrpo.discard_displaced)
         self.experience = Experience(cfg.exgrpo, K, B, seed=L.seed)
         self.overlap = L.overlap_arrival and ranks.world == 1 and L.minibatches_per_step == 1
         if L.overlap_arrival and not self.overlap:

@@ -115,3 +115,41 @@ def test_delayed_start_fires_at_the_first_step_whose_pass_rate_exceeds_the_thres
         row = _end(ex, disp, [(WorkItem(step, step, K, "train", 1.0), _group(step, rewards))], step=step)
         trace.append((row["exgrpo_mixed"], row["exgrpo_collecting"], ex.buffer.num_questions))
     assert trace == [(False, False, 0), (False, False, 0), (True, False, 0), (True, True, 0), (True, True, 1)]
+
+
+def test_an_experience_group_correct_only_by_its_replay_moves_its_question_to_bucket_1():
+    """The authors count the replay in k (fidelity-2.md 2.1): the policy now fails the question K-1 of
+    K-1 times, so it leaves its medium bucket for bucket 1, with nothing new stored."""
+    cfg, _, disp, ex = _setup()
+    _end(ex, disp, [(WorkItem(3, 3, K, "train", 1.0), _group(3, [1, 1, 1, 0]))])  # fresh 3/4: bucket 3
+    assert ex.buffer.bucket_of(3) == 3 and ex.buffer.num_trajectories == 3
+    traj = ex.buffer.trajectories(3)[0]
+    row = _end(ex, disp, [(WorkItem(3, 3, K - 1, "train", 1.0, replay=traj), _group(3, [0, 0, 0]))], step=2)
+    assert ex.buffer.bucket_of(3) == 1 and ex.buffer.num_trajectories == 3
+    assert row["replay_only_correct_total"] == 1
+
+
+def test_each_experience_question_queued_discards_the_fresh_draw_it_displaces():
+    """The authors' collate replaces fresh draws by experience and drops them: with rho * B = 4
+    experience questions queued, the sampler has moved 4 draws on, so the next fresh question is the
+    one after them; `exgrpo.discard_displaced=false` (the ablation) keeps them for later."""
+    for discard in (True, False):
+        cfg, sampler, _, ex = _setup(f"exgrpo.discard_displaced={str(discard).lower()}")
+        order = QuestionSampler(range(100), seed=0)
+        expected = [order.next() for _ in range(8 + 4 + 1)]
+        disp = Dispatcher(sampler.next, B, K, 1.0, 1, sampler.exclude, include_questions=sampler.include,
+                          discard_displaced=cfg.exgrpo.discard_displaced)
+        fresh = [it.question_id for it in disp.take("a", 0, B)]
+        assert fresh == expected[:8]
+        groups = [(WorkItem(q, q, K, "train", 1.0), _group(q, [1, 0, 0, 0])) for q in fresh]
+        row = _end(ex, disp, groups)
+        assert disp.experience_queued() == 4 and row["displaced_discarded_total"] == (4 if discard else 0)
+        disp.trained(B, 1)
+        items = disp.take("a", 1, B + 1)
+        assert [it.replay is not None for it in items] == [True] * 4 + [False] * 5
+        assert items[4].question_id == expected[12 if discard else 8]
+        # the count survives a checkpoint
+        state = disp.state_dict(sampler=sampler)
+        again = Dispatcher(sampler.next, B, K, 1.0, 1, discard_displaced=discard)
+        again.load_state_dict(state)
+        assert again.displaced_discarded == row["displaced_discarded_total"]
