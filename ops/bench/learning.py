@@ -2,7 +2,8 @@
 generated tokens, held-out accuracy against generated tokens.
 
 Each arm-seed is a real `exgrpo-async train` on the cached toy policy (2 vLLM actors, seeded sampling,
-learner seed = the seed) that stops once `--tokens` fresh completion tokens have been generated
+learner seed and data order = the seed: the arms of one seed see the same question order, the seeds
+different ones; before issue 35 every seed drew the same order) that stops once `--tokens` fresh completion tokens have been generated
 (`learner.max_generated_tokens`; replayed trajectories are not generated work) and evaluates the
 held-out set (avg@8 sampled, greedy) at start, every `--eval-every` tokens and at the end. Curves are
 interpolated onto the grid 0, E, 2E, ..., tokens, so arms compare at equal generated tokens.
@@ -64,7 +65,8 @@ SCENARIOS: dict[str, list[str]] = {
 def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
     run_root = out / f"{scenario}-{arm}-s{seed}"
     args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
-            f"learner.seed={seed}", "rollout.seeded=true", f"learner.max_generated_tokens={tokens}",
+            f"learner.seed={seed}", f"data.shuffle_seed={seed}", "rollout.seeded=true",
+            f"learner.max_generated_tokens={tokens}",
             f"learner.eval_every_tokens={every}", "learner.max_steps=100000", "learner.checkpoint_every=0",
             "metrics.port=none", "metrics.actor_port=none", f"output_dir={run_root}", *extra]
     t0 = time.time()
