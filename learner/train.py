@@ -33,7 +33,7 @@ def run(cfg: RunConfig, run_dir: Path, ranks: Ranks, resume: bool = False) -> di
     """Train (rank 0 of the learner's ranks); with `resume`, continue from the newest valid checkpoint in
     run_dir/checkpoints."""
     sh = Shell(cfg, run_dir, resume, ranks)
-    L, X = cfg.learner, cfg.exgrpo
+    L = cfg.learner
     crashed = False
     try:
         sh.evaluate_before()

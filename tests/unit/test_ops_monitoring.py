@@ -10,12 +10,10 @@ A live Prometheus scraping a real run is tests/integration/test_prometheus.py.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary, panels
