@@ -30,6 +30,7 @@ from tests.monitoring import dashboard, dashboard_exprs, expand, need_binary
 pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 min
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
+MIN_STEPS = 12  # never shorter than the fixed-length run this test had (replay reaches batches by then)
 MAX_STEPS = 300  # a cap: the test ends the run with RUN_DIR/STOP once Prometheus has seen everything
 FREEZE_S = 12.0  # both actors frozen this long: presumed dead after 3 s, so 9 s without any actor
 
@@ -141,9 +142,11 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
                     state[name] = active.get(name, "inactive")
                     steps = sum(len(p.read_text().splitlines()) for p in out.glob("run-*/metrics.jsonl"))
                     alerts.append((name, state[name], killed, steps))
-            if stopped_at is None and killed and not frozen and seen_everything(port, seen_targets, alerts):
+            done_steps = sum(len(p.read_text().splitlines()) for p in out.glob("run-*/metrics.jsonl"))
+            if (stopped_at is None and killed and not frozen and done_steps >= MIN_STEPS
+                    and seen_everything(port, seen_targets, alerts)):
                 run_dir = next(out.glob("run-*"))
-                stopped_at = len((run_dir / "metrics.jsonl").read_text().splitlines())
+                stopped_at = done_steps
                 (run_dir / "STOP").touch()
             time.sleep(0.5)
         run.wait(timeout=120)
