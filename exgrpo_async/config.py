@@ -610,11 +610,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"override {item!r} must look like section.key=value")
         key, text = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_value(text.strip()))
+    return _validate(tree, f" ({path})" if path else "")
+
+
+def _validate(tree: dict, where: str = "") -> RunConfig:
+    """The config of `tree`, or ValueError listing every bad field (`where`: the file, for the message)."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
         lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ValueError("invalid config" + (f" ({path})" if path else "") + ":\n" + "\n".join(lines)) from None
+        raise ValueError(f"invalid config{where}:\n" + "\n".join(lines)) from None
 
 
 def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
@@ -622,11 +627,7 @@ def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     tree = json.loads(cfg.model_dump_json())
     for key, value in values.items():
         _set_dotted(tree, key, value)
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as e:
-        lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ValueError("invalid config:\n" + "\n".join(lines)) from None
+    return _validate(tree)
 
 
 def config_from_json(text: str) -> RunConfig:

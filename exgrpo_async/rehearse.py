@@ -17,7 +17,6 @@ rehearses too.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ def node_plan(cfg: RunConfig) -> Plan:
 
 def rehearsal(path: str | None, overrides: list[str], actors: int = 1) -> tuple[RunConfig, Plan, list[str]]:
     """(the rehearsal's config, the node's plan, one line per replaced setting). `overrides` apply to the
-    config first (the run the node would do) and again last (the user's word beats the rehearsal's)."""
+    config (the run the node would do), and the rehearsal leaves every key they set as they set it."""
     node = load_config(path, overrides)
     gpu_plan = node_plan(node)
     user = {item.split("=", 1)[0].strip() for item in overrides}
@@ -111,7 +110,6 @@ def write_data(cfg: RunConfig, folder: Path) -> tuple[Path, Path]:
     exclude = {r["problem"] for r in held_out}
     test = [r for kind in TEST_KINDS for r in [x for x in held_out if x["kind"] == kind][:EVAL_PER_SOURCE]]
     train_rows = [row(r, "toy") for r in make_train_set(cfg.toy.seed + 1, TRAIN_QUESTIONS, exclude)]
-    random.Random(cfg.toy.seed).shuffle(train_rows)
     bad = {"data_source": "toy", "prompt": system + [{"role": "user", "content": "1+1="}], "reward_model": {}}
     train, valid = folder / "train.parquet", folder / "valid.parquet"
     pq.write_table(pa.Table.from_pylist(train_rows + [bad]), train)
