@@ -17,7 +17,7 @@ no further), the actors' RSS range, the events done, and from summary.json the
 question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
 
     .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
-    .venv/bin/python ops/bench/soak.py --minutes 3 --every 25 --warmup 1     # the CI version (tests/)
+    .venv/bin/python ops/bench/soak.py --minutes 1 --every 9 --sample 2 --warmup 0.5   # the CI version (tests/)
     .venv/bin/python ops/bench/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
 """
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_async.toy import TEST_KINDS, make_test_set
 from tests.integration.helpers import actor_pids, children_of, cli, log_excerpt
 from tests.reward_fns import PROBE_LOG_ENV
 from tests.unit.test_trackers import tensorboard_scalars, wandb_history
@@ -103,17 +104,24 @@ def test_train_runs_end_to_end(exgrpo_run):
 
 def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeouts(small, tmp_path):
     """The stream actor loop (`actor.engine.kind=stream`: in-flight weight updates) in a real run, with two
-    faults. The fault drill corrupts one weight after the actor's third load: its fingerprint must be
-    refused (counted once, logged), its weights sent again, any group it generated with them re-issued
-    rather than trained on. A reward function that hangs on every eighth training question: each such
-    completion times out (reward 0), and the learner counts every one it trains on. The run must finish
-    with its books balanced."""
+    faults, taking its rewards from a custom function (`actor.verifier.function`). The fault drill
+    corrupts one weight after the actor's third load: its fingerprint must be refused (counted once,
+    logged), its weights sent again, any group it generated with them re-issued rather than trained on.
+    The reward function (tests/reward_fns.py:slow_on_some) is exact match mapped to 0.25 / 0.75, values
+    math-verify never gives, each call logged with its row; it hangs on every eighth training question:
+    each such completion times out (reward 0), and the learner counts every one it trains on. The
+    held-out evaluations before and after score with the same function. The run must finish with its
+    books balanced."""
     out, steps, probe = tmp_path / "runs", 8, tmp_path / "rewards.jsonl"
+    # a small held-out file whose rows name their data_source (the toy question kind)
+    held_out = [dict(row, data_source=row["kind"]) for row in make_test_set(seed=1, per_kind=3)]
+    eval_file = tmp_path / "held_out.jsonl"
+    eval_file.write_text("".join(json.dumps(row) + "\n" for row in held_out))
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={steps}", "actor.num_actors=1",
                                "actor.engine.kind=stream", "actor.fault_corrupt_load_at_syncs=[3]",
                                "actor.verifier.function=tests.reward_fns:slow_on_some", "actor.verifier.timeout_s=0.5",
                                "actor.verifier.workers=2",
-                               "data.eval_file=none", "metrics.port=none", f"output_dir={out}"]),
+                               f"data.eval_file={eval_file}", "metrics.port=none", f"output_dir={out}"]),
                           cwd=REPO, env=dict(os.environ, **{PROBE_LOG_ENV: str(probe)}), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -129,11 +137,37 @@ def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeou
     # one matched: one sync per version it served, plus the repeat
     assert summary["fingerprints_checked"] == summary["syncs"] >= steps and summary["fingerprints_unchecked"] == 0
     # a hanging question times out on all its samples: the trained count is a multiple of the group size
-    hung = sum(1 for line in probe.read_text().splitlines() if json.loads(line)["reward"] is None)
+    calls = [json.loads(line) for line in probe.read_text().splitlines()]
+    hung = sum(1 for c in calls if c["reward"] is None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timeouts = rows[-1]["verify_timeouts_total"]
     assert 4 <= timeouts <= hung and timeouts % 4 == 0, (timeouts, hung)
     assert [r["verify_timeouts_total"] for r in rows] == sorted(r["verify_timeouts_total"] for r in rows)
+
+    # the rewards are the function's: 0.25 or 0.75 for each completion, 0 for each timed out one
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["verify_errors_total"] == 0 for r in rows), rows
+    before = 0
+    for r in rows:
+        n, timed_out, before = r["rollouts"], r["verify_timeouts_total"] - before, r["verify_timeouts_total"]
+        assert 0.25 * (n - timed_out) / n <= r["reward_mean"] <= 0.75 * (n - timed_out) / n, (r, timed_out)
+    assert {c["reward"] for c in calls} <= {0.25, 0.75, None}
+    for c in calls:  # the row the function is given
+        row = c["row"]
+        assert set(row) == {"question_id", "data_source", "answer", "prompt", "purpose"}, row
+        assert isinstance(row["question_id"], int) and row["purpose"] in ("train", "eval")
+        assert all(isinstance(row[k], str) and row[k] for k in ("data_source", "answer", "prompt")), row
+    train = [c for c in calls if c["row"]["purpose"] == "train"]
+    evals = [c for c in calls if c["row"]["purpose"] == "eval"]
+    assert len(train) >= sum(r["rollouts"] for r in rows)
+    assert {c["row"]["data_source"] for c in evals} == set(TEST_KINDS) == set(summary["after"]["by_source"])
+    assert {c["row"]["answer"] for c in evals} == {row["answer"] for row in held_out}
+    # Before and after training the learner scored the N held-out questions sampled (1 sample) and greedy:
+    # its accuracies are exactly the means of the function's first and last 2N eval rewards.
+    n = len(held_out)
+    assert len(evals) == 4 * n
+    for ev, part in ((summary["before"], evals[:2 * n]), (summary["after"], evals[2 * n:])):
+        assert sum(c["reward"] for c in part) == pytest.approx(n * (ev["accuracy"] + ev["greedy_accuracy"]))
 
 
 def test_sigterm_stops_every_child(small, tmp_path):

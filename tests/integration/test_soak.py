@@ -1,5 +1,6 @@
-"""The soak bench's CI version: 105 s of training with an actor killed, one frozen, one added and
-removed (ops/bench/soak.py). The 60-minute figures are in docs/benchmarks.md."""
+"""The soak bench's CI version: 60 s of training with an actor killed, one frozen (past the timeout: presumed
+dead, then rejoins), one added and removed, an event every 9 s from step 1 (ops/bench/soak.py). The
+60-minute figures are in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_churn_keeps_the_books(small, tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "1.75", "--every", "15", "--sample", "2", "--warmup", "0.5",
+    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "1.0", "--every", "9", "--sample", "2", "--warmup", "0.5",
                            "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,13 +26,19 @@ def test_churn_keeps_the_books(small, tmp_path):
     assert res["returncode"] == 0
     assert all(res["events"][k] >= 1 for k in ("kill", "freeze", "add", "remove")), res["events"]
     assert res["restarts"] == res["events"]["kill"]  # the launcher restarted each killed actor
+    # each killed actor, and the frozen one (15 s against transport.actor_timeout_s=10), presumed dead
+    # (the learner gives up on it 10-11 s later: an event in the run's last 12 s may not be counted yet)
+    faults = [e for e in res["event_log"] if e["event"] in ("kill", "freeze")]
+    settled = [e for e in faults if e["t"] + 12 <= res["samples"][-1]["t"]]
+    assert len(settled) >= 2 and len(settled) <= res["actors_lost"] <= len(faults), res["event_log"]
     # a frozen actor presumed dead sends its late rollouts when it wakes: dropped and counted as bad
     # messages (not joined), at most one request's groups per freeze (4 questions per request here)
     assert res["questions_unaccounted"] == 0 and res["bad_messages"] <= 4 * res["events"]["freeze"]
-    assert res["actors_joined"] >= 2 + res["events"]["kill"] + res["events"]["add"]
+    # the launcher's two, each settled kill's replacement, the added one (it joins within seconds)
+    assert res["actors_joined"] >= 2 + sum(e["event"] == "kill" for e in settled) + res["events"]["add"]
     last_event = max(e["t"] for e in res["event_log"])
     after = [s["steps"] for s in res["samples"] if s["t"] > last_event]
     assert after and after[-1] > after[0], "training stopped after the last event"
-    # memory is measured here, not judged: 105 s is too short for a slope (the 60-minute soak's, under
+    # memory is measured here, not judged: 60 s is too short for a slope (the 60-minute soak's, under
     # 1 MB/min, is in docs/benchmarks.md); the samples must exist, for the learner and for vLLM actors
     assert res["learner_rss_mb_first_last"][0] and res["actor_rss_mb_min_max"][1] > 100
