@@ -262,7 +262,8 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
                 break
             time.sleep(0.5)
     finally:
-        rc = _teardown(children + ranks[1:], wait_first=not stopping)
+        # a learner that ended on its own lets the actors finish too; one the launcher stops gets SIGTERM now
+        rc = _teardown(children + ranks[1:], wait_first=not (stopping or failed_run))
         for s, h in old.items():
             signal.signal(s, h)
     rc = judge_ranks(rc, [r.returncode for r in ranks[1:]])

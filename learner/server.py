@@ -478,12 +478,16 @@ class LearnerServer:
 
     # ------------------------------------------------------------------ shutdown
     def stop(self, wait_for_actors_s: float = 30.0) -> None:
-        """Tell actors to stop (via their next work request), wait for their goodbyes, then close."""
+        """Tell actors to stop (via their next work request), wait for their goodbyes, then close. An actor
+        not heard for 3 heartbeats (killed, frozen: a live one's heartbeat thread speaks every
+        `heartbeat_s`, generating or not) is not waited for: it could not say goodbye before its timeout."""
         if self._stop.is_set():
             return
         self.dispatcher.stop()
         deadline = time.monotonic() + wait_for_actors_s
-        while self.actors and time.monotonic() < deadline:
+        silent_s = max(3 * self.cfg.transport.heartbeat_s, 2.0)
+        while time.monotonic() < deadline and any(time.monotonic() - a.last_seen < silent_s
+                                                  for a in list(self.actors.values())):
             time.sleep(0.05)
         self._stop.set()
         self._thread.join(timeout=5)

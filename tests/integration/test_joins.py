@@ -28,9 +28,10 @@ from learner.dispatch import Dispatcher
 from learner.server import JOIN_RETRY_S, LearnerServer
 
 
-def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256) -> LearnerServer:
+def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256, heartbeat_s: float = 2.0) -> LearnerServer:
     cfg = RunConfig.model_validate({"weight_sync": {"timeout_s": timeout_s},
-                                    "transport": {"max_pending_joins": max_pending, "max_message_mb": max_message_mb}})
+                                    "transport": {"max_pending_joins": max_pending, "max_message_mb": max_message_mb,
+                                                  "heartbeat_s": heartbeat_s, "actor_timeout_s": 60}})
     publisher = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), 1, timeout_s)
     publisher.publish(0, [("w", torch.arange(1000, dtype=torch.float32))])
     dispatcher = Dispatcher(lambda: 0, 1, 2, 1.0, max_staleness=0)
@@ -157,5 +158,43 @@ def test_half_joined_peers_are_bounded_and_a_refused_actor_asks_again():
         assert len(server._joining) <= 3
     finally:
         for p in peers:
+            p.close()
+        server.stop(wait_for_actors_s=0)
+
+
+def test_stop_waits_for_a_live_actors_goodbye_not_for_a_silent_ones():
+    """At the end the learner tells its actors to stop and waits for their goodbyes; an actor not heard
+    for 3 heartbeats (here 3 x 0.2 s, at least 2 s: killed or frozen) is not waited for, though it is not
+    yet presumed dead (60 s), while one whose heartbeat thread still speaks is, until it says bye."""
+    server = _server(timeout_s=5, heartbeat_s=0.2)
+    server.start()
+    silent, live, beat = Peer(server.address), Peer(server.address), Peer(server.address)
+    beating = threading.Event()
+    try:
+        assert silent.ask("hello", host="dead", pid=1)["t"] == "welcome"
+        live_id = live.ask("hello", host="live", pid=2)["actor_id"]
+        beating.set()
+
+        def heartbeat() -> None:
+            while beating.is_set():
+                beat.tell("alive", actor_id=live_id)
+                time.sleep(0.1)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        time.sleep(2.5)  # the silent one is now past 3 heartbeats (and 2 s); the live one is not
+        stopper = threading.Thread(target=server.stop, kwargs={"wait_for_actors_s": 30}, daemon=True)
+        stopper.start()
+        time.sleep(1.5)
+        assert stopper.is_alive(), "stop did not wait for the live actor's goodbye"
+        beating.clear()
+        time.sleep(0.2)
+        t_bye = time.monotonic()
+        live.tell("bye")
+        stopper.join(timeout=10)
+        assert not stopper.is_alive() and time.monotonic() - t_bye < 3, "stop waited for the silent actor"
+        assert server.counters["actors_lost"] == 0  # not presumed dead: just not waited for
+    finally:
+        beating.clear()
+        for p in (silent, live, beat):
             p.close()
         server.stop(wait_for_actors_s=0)
