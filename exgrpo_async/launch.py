@@ -328,6 +328,10 @@ def print_summary(s: dict) -> None:
     print("\n" + f"{'':38s}{'before':>10s}{'after':>10s}")
     for name, b, a in rows:
         print(f"{name:38s}{b:>10s}{a:>10s}")
+    curve = s.get("held_out_curve") or []
+    if len(curve) > 2:  # evaluations during the run too (learner.eval_every)
+        points = ", ".join(f"{p['step']}: {p['accuracy']:.3f}" for p in curve)
+        print(f"{'held-out sampled, by step':38s}{points}")
     print(f"{'RL steps':38s}{s['steps']:>20d}")
     print(f"{'RL wall time (s)':38s}{s['rl_seconds']:>20.1f}")
     print(f"{'rollouts/s':38s}{s['rollouts_per_s']:>20.1f}")

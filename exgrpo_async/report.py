@@ -1,9 +1,10 @@
 """The run report: RUN_DIR/metrics.jsonl (+ summary.json, config.json) -> RUN_DIR/report/report.md with PNG plots.
 
 Written by the learner at the end of a run and by `exgrpo-async report RUN_DIR` at any time (a run
-still going or one that crashed has no summary: the report says so). Plots (matplotlib, through
-exgrpo_async/plots.py): reward and pass@1 (with held-out accuracy), buffer composition by bucket,
-staleness, importance weights, throughput and step time. Unreadable metrics lines (a killed run's
+still going or one that crashed has no summary: the report says so). A table of the held-out accuracies
+(before, at each `learner.eval_every`, after). Plots (matplotlib, through exgrpo_async/plots.py):
+reward (also smoothed over steps, on a run of 10 steps or more) and pass@1 with the held-out
+accuracies, buffer composition by bucket, staleness, importance weights, throughput and step time. Unreadable metrics lines (a killed run's
 last line) are skipped and counted in the report.
 """
 
@@ -52,10 +53,29 @@ def _num(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def smoothing_window(n_steps: int) -> int | None:
+    """Steps per point of the smoothed reward: a twentieth of the run, at least 5; None for a run shorter
+    than two windows (its raw curve is short enough to read)."""
+    w = max(5, n_steps // 20)
+    return w if n_steps >= 2 * w else None
+
+
+def trailing_mean(values: list, w: int) -> list[float | None]:
+    """The mean of each value and the w-1 before it (None until w values exist; a missing value is left out)."""
+    out: list[float | None] = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - w + 1):i + 1] if isinstance(v, (int, float))]
+        out.append(sum(window) / len(window) if i >= w - 1 and window else None)
+    return out
+
+
 def reward_series(steps: list[dict], evals: list[dict], summary: dict | None) -> dict[str, Series]:
-    """Reward, pass@1 and replayed reward per step, held-out accuracy during the run and before/after it."""
+    """Reward (smoothed over steps when the run is long enough, and raw), pass@1 and replayed reward per
+    step, held-out accuracy during the run and before/after it."""
     x = _col(steps, "step")
-    series = {k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)}
+    w = smoothing_window(len(steps)) if _has(steps, "reward_mean") else None
+    series = {f"reward_mean, mean of {w} steps": (x, trailing_mean(_col(steps, "reward_mean"), w))} if w else {}
+    series.update({k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)})
     if evals:
         series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
     for when, at in (("before", 0), ("after", steps[-1]["step"])):
@@ -113,6 +133,17 @@ def charts(steps: list[dict], evals: list[dict], summary: dict | None) -> list[t
     return out
 
 
+def held_out_table(evals: list[dict], summary: dict | None, last_step: int) -> list[str]:
+    """report.md's table of the held-out accuracies during the run: before, each evaluation, after."""
+    points = [(0, (summary or {}).get("before")), *((e["step"], e["eval"]) for e in evals),
+              (last_step, (summary or {}).get("after"))]
+    points = [(step, ev) for step, ev in points if ev]
+    if not points:
+        return []
+    rows = [f"| {step} | {_num(ev.get('accuracy'))} | {_num(ev.get('greedy_accuracy'))} |" for step, ev in points]
+    return ["", "## Held-out accuracy during the run", "", "| step | sampled (avg@n) | greedy |", "|---|---|---|", *rows]
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write report.md and its PNGs to out_dir (default RUN_DIR/report); returns the report's path."""
     run_dir = Path(run_dir)
@@ -152,6 +183,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
                     "stale_dropped", "actors_joined", "actors_lost", "questions_unaccounted"):
             if key in summary:
                 lines.append(f"| {key} | {_num(summary[key])} |")
+    lines += held_out_table(evals, summary, last["step"])
     lines += ["", f"## Last step ({last['step']})", "", "| metric | value |", "|---|---|"]
     for key in ("reward_mean", "pass_at_1", "staleness_mean", "staleness_max", "is_weight_max", "clip_frac",
                 "mismatch_kl", "rollouts_per_s", "tokens_per_s", "step_seconds", "actors", "buffer_trajectories",

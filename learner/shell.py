@@ -318,6 +318,7 @@ class Shell:
         self._next_eval_tokens = self._after(self.totals["tokens"], self.cfg.learner.eval_every_tokens)
         self.metrics_f.write(json.dumps({"step": step, "policy_version": self.version,
                                          "tokens_generated_total": self.totals["tokens"], "eval": ev}) + "\n")
+        self.metrics_f.flush()
         self.trackers.log_eval(step, ev)
         self.keep_if_best(step, ev)
 
@@ -386,6 +387,7 @@ class Shell:
                                           "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
             "data_rows_skipped": self.rows_skipped,  # bad rows of the train and eval files (data.skip_bad_rows)
+            "held_out_curve": held_out_curve(self.run_dir / "metrics.jsonl", self.summary, last_step),
             **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),
         })
@@ -403,3 +405,14 @@ class Shell:
             self.server.targets.close()
         if self.prom is not None:
             self.prom.close()
+
+
+def held_out_curve(metrics: Path, summary: dict, last_step: int) -> list[dict]:
+    """The held-out accuracies of the whole run, resumed parts included: before training (step 0), each
+    evaluation during it (metrics.jsonl's eval rows) and after it; [] without a held-out file."""
+    from exgrpo_async.report import read_metrics  # matplotlib's import, at the end only
+
+    _, evals, _ = read_metrics(metrics)
+    points = [(0, summary["before"]), *((e["step"], e["eval"]) for e in evals), (last_step, summary["after"])]
+    return [{"step": step, "accuracy": ev.get("accuracy"), "greedy_accuracy": ev.get("greedy_accuracy")}
+            for step, ev in points if ev]

@@ -11,7 +11,7 @@ import pytest
 from matplotlib.image import imread
 
 from exgrpo_async.plots import bar_chart, draw_bands, figure, line_chart, stacked_area_chart
-from exgrpo_async.report import charts, read_metrics, write_report
+from exgrpo_async.report import charts, held_out_table, read_metrics, write_report
 
 PLOTS = {"reward.png", "buffer.png", "buffer_size.png", "staleness.png", "staleness_hist.png", "weights.png",
          "rollouts_per_s.png", "tokens_per_s.png", "step_time.png"}
@@ -128,3 +128,58 @@ def test_report_of_a_run_without_steps_is_a_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="no learner step recorded yet \\(1 unreadable"):
         write_report(tmp_path)
+
+
+def _long_run(tmp_path, n: int = 40):
+    """n steps of a noisy reward, evaluations at steps 10 and 20, a summary with before and after."""
+    rng = np.random.default_rng(0)
+    rewards = [float(v) for v in rng.random(n)]
+    rows = [{"step": s, "policy_version": s, "reward_mean": r, "pass_at_1": r} for s, r in zip(range(1, n + 1), rewards)]
+    rows.insert(10, {"step": 10, "policy_version": 10, "eval": {"accuracy": 0.3, "greedy_accuracy": 0.35}})
+    rows.insert(21, {"step": 20, "policy_version": 20, "eval": {"accuracy": 0.4, "greedy_accuracy": 0.45}})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"before": {"accuracy": 0.2, "greedy_accuracy": 0.25}, "after": {"accuracy": 0.5, "greedy_accuracy": 0.55},
+               "best": None}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    return rewards, summary
+
+
+def test_a_long_runs_reward_is_also_drawn_smoothed_and_its_held_out_evaluations_tabled(tmp_path):
+    rewards, summary = _long_run(tmp_path)
+    steps, evals, _ = read_metrics(tmp_path / "metrics.jsonl")
+    drawn = {name: fig for name, _, fig in charts(steps, evals, summary)}
+    lines = {line.get_label(): line for line in drawn["reward.png"].axes[0].get_lines()}
+    smooth = lines["reward_mean, mean of 5 steps"]  # 40 steps: windows of max(5, 40 // 20) steps
+    y = smooth.get_ydata()
+    assert np.isnan(y[:4]).all()  # no mean before 5 values exist
+    assert np.allclose(y[4:], [np.mean(rewards[i - 4:i + 1]) for i in range(4, 40)])
+    assert list(lines["reward_mean"].get_ydata()) == rewards  # the raw curve beside it
+    assert list(lines["eval accuracy"].get_ydata()) == [0.3, 0.4]
+    text = write_report(tmp_path).read_text()
+    table = text.split("## Held-out accuracy during the run")[1].split("##")[0]
+    assert re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", table, re.M) == [
+        ("0", "0.200", "0.250"), ("10", "0.300", "0.350"), ("20", "0.400", "0.450"), ("40", "0.500", "0.550")]
+
+
+def test_a_short_run_has_no_smoothed_curve_and_a_run_without_evaluations_no_table(tmp_path):
+    steps, evals, _ = read_metrics(_run(tmp_path, exgrpo=False) / "metrics.jsonl")
+    labels = {line.get_label() for line in charts(steps, [], None)[0][2].axes[0].get_lines()}
+    assert labels == {"reward_mean", "pass_at_1"}  # 5 steps: under two windows of 5
+    assert held_out_table([], None, 5) == held_out_table([], {"before": None, "after": None}, 5) == []
+
+
+def test_the_summary_and_the_final_table_carry_the_held_out_curve(tmp_path, capsys):
+    from exgrpo_async.launch import print_summary
+    from learner.shell import held_out_curve
+
+    _, summary = _long_run(tmp_path)
+    curve = held_out_curve(tmp_path / "metrics.jsonl", summary, 40)
+    assert [(p["step"], p["accuracy"], p["greedy_accuracy"]) for p in curve] == [
+        (0, 0.2, 0.25), (10, 0.3, 0.35), (20, 0.4, 0.45), (40, 0.5, 0.55)]
+    assert held_out_curve(tmp_path / "metrics.jsonl", {"before": None, "after": None}, 40)[0]["step"] == 10
+    totals = {"steps": 40, "rl_seconds": 1.0, "rollouts_per_s": 1.0, "tokens_per_s": 1.0, "sync_seconds_mean": 0.0,
+              "stale_dropped": 0, "skipped_steps": 0, "final_model": "m"}
+    print_summary({**summary, **totals, "held_out_curve": curve})
+    assert "held-out sampled, by step".ljust(38) + "0: 0.200, 10: 0.300, 20: 0.400, 40: 0.500" in capsys.readouterr().out
+    print_summary({**summary, **totals, "held_out_curve": [curve[0], curve[-1]]})  # before and after only
+    assert "by step" not in capsys.readouterr().out
