@@ -3,7 +3,7 @@
 Written by the learner at the end of a run and by `exgrpo-async report RUN_DIR` at any time (a run
 still going or one that crashed has no summary: the report says so). A table of the held-out accuracies
 (before, at each `learner.eval_every`, after). Plots (matplotlib, through exgrpo_async/plots.py):
-reward (also smoothed over steps, on a run of 10 steps or more) and pass@1 with the held-out
+reward and pass@1 (on a run of 10 steps or more, as trailing means over steps) with the held-out
 accuracies, buffer composition by bucket, staleness, importance weights, throughput and step time. Unreadable metrics lines (a killed run's
 last line) are skipped and counted in the report.
 """
@@ -70,12 +70,13 @@ def trailing_mean(values: list, w: int) -> list[float | None]:
 
 
 def reward_series(steps: list[dict], evals: list[dict], summary: dict | None) -> dict[str, Series]:
-    """Reward (smoothed over steps when the run is long enough, and raw), pass@1 and replayed reward per
-    step, held-out accuracy during the run and before/after it."""
+    """Reward, pass@1 and replayed reward by step (on a run long enough, each as its trailing mean over a
+    window of steps: one batch's reward is noisy, about +-0.1 on the demo), held-out accuracy during
+    the run and before/after it."""
     x = _col(steps, "step")
-    w = smoothing_window(len(steps)) if _has(steps, "reward_mean") else None
-    series = {f"reward_mean, mean of {w} steps": (x, trailing_mean(_col(steps, "reward_mean"), w))} if w else {}
-    series.update({k: (x, _col(steps, k)) for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)})
+    w = smoothing_window(len(steps))
+    series = {(f"{k}, mean of {w} steps" if w else k): (x, trailing_mean(_col(steps, k), w) if w else _col(steps, k))
+              for k in ("reward_mean", "pass_at_1", "replay_reward_mean") if _has(steps, k)}
     if evals:
         series["eval accuracy"] = ([e["step"] for e in evals], [e["eval"].get("accuracy") for e in evals])
     for when, at in (("before", 0), ("after", steps[-1]["step"])):
