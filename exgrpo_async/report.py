@@ -134,14 +134,21 @@ def charts(steps: list[dict], evals: list[dict], summary: dict | None) -> list[t
     return out
 
 
-def held_out_table(evals: list[dict], summary: dict | None, last_step: int) -> list[str]:
-    """report.md's table of the held-out accuracies during the run: before, each evaluation, after."""
+def held_out_curve(evals: list[dict], summary: dict | None, last_step: int) -> list[dict]:
+    """The run's held-out accuracies: before training (step 0), each evaluation during it (the eval
+    rows of metrics.jsonl, resumed parts included) and after it; [] without any."""
     points = [(0, (summary or {}).get("before")), *((e["step"], e["eval"]) for e in evals),
               (last_step, (summary or {}).get("after"))]
-    points = [(step, ev) for step, ev in points if ev]
-    if not points:
+    return [{"step": step, "accuracy": ev.get("accuracy"), "greedy_accuracy": ev.get("greedy_accuracy")}
+            for step, ev in points if ev]
+
+
+def held_out_table(evals: list[dict], summary: dict | None, last_step: int) -> list[str]:
+    """report.md's table of the held-out accuracies during the run: before, each evaluation, after."""
+    curve = held_out_curve(evals, summary, last_step)
+    if not curve:
         return []
-    rows = [f"| {step} | {_num(ev.get('accuracy'))} | {_num(ev.get('greedy_accuracy'))} |" for step, ev in points]
+    rows = [f"| {p['step']} | {_num(p['accuracy'])} | {_num(p['greedy_accuracy'])} |" for p in curve]
     return ["", "## Held-out accuracy during the run", "", "| step | sampled (avg@n) | greedy |", "|---|---|---|", *rows]
 
 

@@ -407,12 +407,9 @@ class Shell:
             self.prom.close()
 
 
-def held_out_curve(metrics: Path, summary: dict, last_step: int) -> list[dict]:
-    """The held-out accuracies of the whole run, resumed parts included: before training (step 0), each
-    evaluation during it (metrics.jsonl's eval rows) and after it; [] without a held-out file."""
-    from exgrpo_async.report import read_metrics  # matplotlib's import, at the end only
 
-    _, evals, _ = read_metrics(metrics)
-    points = [(0, summary["before"]), *((e["step"], e["eval"]) for e in evals), (last_step, summary["after"])]
-    return [{"step": step, "accuracy": ev.get("accuracy"), "greedy_accuracy": ev.get("greedy_accuracy")}
-            for step, ev in points if ev]
+def held_out_curve(metrics: Path, summary: dict, last_step: int) -> list[dict]:
+    """summary.json's held_out_curve, from metrics.jsonl's eval rows and the evaluations before and after."""
+    from exgrpo_async.report import held_out_curve as curve, read_metrics  # matplotlib's import, at the end only
+
+    return curve(read_metrics(metrics)[1], summary, last_step)
