@@ -8,7 +8,9 @@ fused layers itself; the final model is exported in `model.dtype`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -28,6 +30,59 @@ def load_policy(path: str, dtype: str, device: torch.device):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     model.config.use_cache = False
     return model, tokenizer
+
+
+def policy_skeleton(path: str):
+    """The policy's modules with every parameter on the meta device (no memory; shapes, names and ties
+    as loaded) and its buffers real (rotary frequencies are computed, not stored in checkpoints), and its
+    tokenizer. A learner rank that is not the lead builds this, shards it, and receives its shards of
+    the lead's weights (`materialize`): only rank 0 ever holds the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on the meta device, their buffers where they are
+    (accelerate's `init_empty_weights(include_buffers=False)`, without the dependency). A layer's
+    initialisation then runs on meta tensors: no time, no memory."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # a meta one may be shared (tied weights): keep it
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give a (sharded) skeleton's parameters storage on `device`, keeping its buffers' values; the
+    parameters' values are then whatever `set_model_state_dict` brings (uninitialised until then)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    first: dict[int, str] = {}
+    ties = []  # (name, name of the parameter it is): tied weights, which to_empty would give storage each
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((name, first[id(p)]))
+        first.setdefault(id(p), name)
+    model.to_empty(device=device)
+    for name, same in ties:
+        owner, _, attr = name.rpartition(".")
+        if model.get_parameter(name) is not model.get_parameter(same):
+            setattr(model.get_submodule(owner), attr, model.get_parameter(same))
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
 
 
 def named_parameters_for_sync(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -31,7 +31,7 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
 from learner import attention
 from learner.grpo import LogProbs
-from learner.model import load_policy, named_parameters_for_sync
+from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
 from learner.packing import micro_batches
 from learner.ranks import Ranks, split_by_tokens
 from learner.replay import score_trajectories
@@ -71,6 +71,16 @@ def shard(model: torch.nn.Module, mixed_precision: str) -> LogProbs:
     return root
 
 
+def receive_weights(model: torch.nn.Module, path: str, ranks: Ranks, device: torch.device) -> None:
+    """Fill a sharded skeleton (learner/model.py `policy_skeleton`, then `shard`) with the checkpoint at
+    `path`, on every rank together: the lead reads it on its CPU (the one whole copy of the model on the
+    node) and broadcasts it a tensor at a time; each rank keeps its shard on `device`. A rank's peak is
+    then its shards plus the largest tensor in transit, not the whole model."""
+    materialize(model, device)
+    weights = load_policy(path, "float32", torch.device("cpu"))[0].state_dict() if ranks.lead else {}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def _is_norm(m: torch.nn.Module) -> bool:
     """A normalisation layer (RMSNorm, LayerNorm): its weight scales activations elementwise."""
     return isinstance(m, torch.nn.LayerNorm) or "norm" in type(m).__name__.lower()
@@ -83,13 +93,20 @@ class Policy:
             raise ValueError('model.dtype / learner.mixed_precision "auto" reached the learner unresolved: '
                              "exgrpo_async.precision.resolve chooses them for the machine first")
         self.cfg, self.ranks, self.device = cfg, ranks, device
-        self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)  # fp32 master weights
+        # fp32 master weights; with several ranks only the lead reads them, the others build the model's
+        # shape on the meta device and receive their shards (`receive_weights`)
+        if ranks.world > 1:
+            self.model, self.tokenizer = policy_skeleton(cfg.model.path)
+        else:
+            self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)
         self.bf16 = L.mixed_precision == "bf16"
         self.attention = attention.resolve(L.attention, device, self.bf16)
         attention.use(self.model, self.attention)
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.forward = shard(self.model, L.mixed_precision) if ranks.world > 1 else LogProbs(self.model)
+        if ranks.world > 1:
+            receive_weights(self.model, cfg.model.path, ranks, device)
         # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay,
                                      fused=device.type == "cuda")
