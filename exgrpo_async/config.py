@@ -332,6 +332,10 @@ class LearnerConfig(_Strict):
     one step too late and be dropped and generated again (docs/benchmarks.md, "Stale drops")."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on the held-out file every N steps (0: only before and after training)."""
+    eval_before: bool = True
+    """Evaluate the starting weights on the held-out file before the first step (verl's
+    `val_before_train`); false skips it (summary.json's `before` is then null; a resumed run never
+    repeats it)."""
     best_exclude_sources: list[str] = ["minerva"]
     """Held-out data sources left out of the score that picks the best weights: the mean over the other
     sources of each source's sampled accuracy (the authors leave Minerva out). Each evaluation during

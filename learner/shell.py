@@ -275,7 +275,7 @@ class Shell:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_before(self) -> None:
-        if self.eval_pool and not self.resumed:
+        if self.eval_pool and not self.resumed and self.cfg.learner.eval_before:
             self.summary["before"] = self._eval(self.version)
             self.trackers.log_eval(0, self.summary["before"])
             log.info("held-out before: %s", self.summary["before"])

@@ -188,7 +188,7 @@ def test_sigterm_stops_every_child(small, tmp_path):
         metrics = None
         while time.monotonic() < deadline and proc.poll() is None:
             found = list(out.glob("*/metrics.jsonl"))
-            if found and found[0].read_text().count("\n") >= 2:
+            if found and found[0].read_text().count("\n") >= 1:  # training: SIGTERM comes mid-run
                 metrics = found[0]
                 break
             time.sleep(1)

@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow  # a 4-step run (and the 7B's resume): 1.5-4 min e
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}", "metrics.port=none"]
+# the evaluation before the first step is the other runs' (test_full_run.py): 5-10 s each here, and the
+# override shows that a key the user sets is left as set
+NO_EVAL_BEFORE = "learner.eval_before=false"
 
 
 def rows_of(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -40,7 +43,8 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     config = REPO / "configs" / f"{name}.toml"
     node = load_config(config)
     L, tp = node.learner, node.actor.engine.tensor_parallel_size
-    proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, f"output_dir={tmp_path / 'runs'}"]),
+    proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, NO_EVAL_BEFORE,
+                              f"output_dir={tmp_path / 'runs'}"]),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # the node's plan, and each process started with its share of it
@@ -61,6 +65,7 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     assert cfg["data"]["system_prompt"] == node.data.system_prompt and cfg["data"]["use_chat_template"]
     assert cfg["learner"]["best_exclude_sources"] == ["minerva"] and cfg["exgrpo"]["enabled"]
     assert (cfg["weight_sync"]["backend"], cfg["learner"]["device"], cfg["placement"]["rehearse"]) == ("gloo", "cpu", True)
+    assert not cfg["learner"]["eval_before"] and "held-out before" not in proc.stderr
 
     steps, evals = rows_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
@@ -69,6 +74,7 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     assert [e["step"] for e in evals] == [2]  # every 2 steps, the last step's evaluation is the summary's
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["questions_unaccounted"] == 0 and summary["data_rows_skipped"] == 1
+    assert summary["before"] is None and [p["step"] for p in summary["held_out_curve"]] == [2, STEPS]
     # every sync reached the actor's every worker, and the engine's fingerprint (its workers' shares
     # combined, under TP) matched what was sent, every time
     assert summary["actors_lost"] == 0 and summary["syncs"] >= STEPS
