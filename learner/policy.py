@@ -7,6 +7,9 @@ weights are gathered in bf16 and the rest in fp32, as one rank's autocast comput
 gradient reduction; gradients summed over ranks, since every rank's loss is already on the step's global
 scale).
 
+With several ranks only the lead reads the checkpoint; the others build the model on the meta device
+and receive their shards from it (`receive_weights`), so no rank but the lead ever holds the whole model.
+
 Every operation below is collective: the lead calls it (announcing it to the followers first) and each
 follower runs it from `follow()`, with the same arguments:
 - update: one step's optimizer updates (learner/update.py, the batch split over ranks by tokens);
