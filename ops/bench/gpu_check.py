@@ -20,9 +20,11 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                and without gradient checkpointing
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
-10. sync       ops/bench/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
+10. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on
+               this rank's NCCL group, against the model read onto the GPU whole: exact, seconds, peaks
+11. sync       ops/bench/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
                receive-buffer hazard (a loader keeping a view past the next bucket) on CUDA streams
-11. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
+12. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
                host, and whether weight sync's deadline frees it (last: it may leave a thread stuck)
 
     ops/gpu-check --out OUT                      # on the GPU machine (PYTHONUNBUFFERED, wheels, this file)
@@ -46,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import gpu_check_sections as sec  # noqa: E402
 
-SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "sync",
-            "stall"]
+SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "load",
+            "sync", "stall"]
 
 
 def main() -> None:

@@ -566,6 +566,54 @@ def memory_7b(ctx: Context) -> dict:
     return r
 
 
+def load(ctx: Context) -> dict:
+    """How learner ranks load the policy when there are several (learner/policy.py `receive_weights`),
+    on this one rank's NCCL group: the 1.5B shape with 2 layers saved as a Hugging Face folder, built on
+    the meta device, sharded, given storage on the GPU and filled by the broadcast from rank 0, against
+    the model read onto the GPU whole (the way every rank loaded before). With one rank its shards are
+    the whole model, so the peaks differ only by the tensor in transit; what this checks is the CUDA path
+    (storage for a meta model on the device, buffers kept, ties kept, NCCL's broadcast of a state dict)
+    and that the result is the checkpoint exactly."""
+    import tempfile
+    from pathlib import Path
+
+    from learner.model import load_policy, policy_skeleton
+    from learner.policy import receive_weights, shard
+    from learner.ranks import Ranks
+
+    full = TINY_15B if ctx.tiny else QWEN25_15B
+    s = dataclasses.replace(full, layers=2)
+    ctx.dist()
+    r: dict = {"shape": f"{full.name}, 2 layers", "params": s.params()}
+    with tempfile.TemporaryDirectory() as tmp:
+        from exgrpo_async.toy import build_tokenizer
+
+        _model(s, 2, torch.device("cpu")).save_pretrained(tmp)
+        build_tokenizer(Path(tmp))
+        base = ctx.reset_peak()
+        t0 = time.perf_counter()
+        whole, _ = load_policy(tmp, "float32", ctx.device)
+        ctx.sync()
+        r["whole_seconds"], r["whole_peak_gb"] = time.perf_counter() - t0, ((ctx.peak() or 0) - base) / 1e9
+        expected = {k: v.detach().cpu().clone() for k, v in whole.state_dict().items()}
+        del whole
+        ctx.free()
+        base = ctx.reset_peak()
+        t0 = time.perf_counter()
+        model, _ = policy_skeleton(tmp)
+        shard(model, "bf16")
+        receive_weights(model, tmp, Ranks(0, 1, ctx.device), ctx.device)
+        ctx.sync()
+        r["rank0_seconds"], r["rank0_peak_gb"] = time.perf_counter() - t0, ((ctx.peak() or 0) - base) / 1e9
+        got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        r["tensors"], r["tensors_differing"] = len(expected), sum(
+            1 for k, v in expected.items() if not torch.equal(got[k].detach().cpu(), v))
+        r["on_device"] = all(p.device == ctx.device for p in model.parameters())
+        r["tied_kept"] = model.lm_head.weight is model.model.embed_tokens.weight
+        del model, got
+    return r
+
+
 # -------------------------------------------------------------------------------------------- 9. sync
 def sync(ctx: Context) -> dict:
     from gpu_sync_check import planner_results, publish_rate, receive_hazard

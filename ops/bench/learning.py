@@ -8,6 +8,12 @@ different ones; before issue 35 every seed drew the same order) that stops once 
 held-out set (avg@8 sampled, greedy) at start, every `--eval-every` tokens and at the end. Curves are
 interpolated onto the grid 0, E, 2E, ..., tokens, so arms compare at equal generated tokens.
 
+Scenarios (`--scenario`): the demo's settings; a high learning rate; a weaker warm start; and "regime",
+issue 35's regime-matched one: a finite pool of tokens / (2 x 286) toy questions, so that on-policy GRPO
+goes through it about twice within the budget, as the paper's runs go through theirs (retirement then
+prunes the later epochs). The arm "no_replay" (ExGRPO at rho 0: its retirement, nothing replayed) beside
+"grpo" and "exgrpo" shows the replay's own share of a difference.
+
 Per arm: final accuracy and area under the curve (mean accuracy over the grid), mean and spread (std,
 min..max) over seeds; per arm but the first, its difference to the first (paired by seed); the
 learner's compute per step (update + ExGRPO's selection pass, median over steps) and its ratio to the
@@ -52,6 +58,9 @@ ARMS: dict[str, list[str]] = {
     "rho_0.25": ["exgrpo.enabled=true", "exgrpo.rho=0.25"],
     "rho_0.75": ["exgrpo.enabled=true", "exgrpo.rho=0.75"],
     "reinject": ["exgrpo.enabled=true", "exgrpo.reinject_every=25"],
+    # ExGRPO with nothing replayed (rho 0): on-policy batches with its retirement of solved questions (and
+    # its clip schedule); against "exgrpo" it shows the replay's own share of a gain
+    "no_replay": ["exgrpo.enabled=true", "exgrpo.rho=0"],
 }
 SCENARIOS: dict[str, list[str]] = {
     "demo": [],  # the demo's warm start and learning rate: partly solved questions, pass rates over 0..1
@@ -59,12 +68,37 @@ SCENARIOS: dict[str, list[str]] = {
     # a weaker warm start (450 SFT steps: held-out greedy 0.235, sampled 0.13): few correct answers, the
     # regime where replaying rare successes should help (the paper's Llama case: no delayed start there)
     "short_warmstart": ["toy.sft_steps=450"],
+    # the paper's regime (issue 35), fixed before its first run: a finite pool that on-policy GRPO goes
+    # through about twice in the budget (the paper: 46k questions, B = 128, 700 steps, 1.95 epochs), so
+    # retirement prunes the later epochs; `regime_pool` writes it (the demo's warm start otherwise)
+    "regime": [],
 }
+REGIME_EPOCHS = 2
+# GRPO's fresh completion tokens per question on the toy task (8 samples of about 36 tokens): issue 35's
+# trial put 1,400 questions at about 2 epochs in 800k tokens
+REGIME_TOKENS_PER_QUESTION = 286
+
+
+def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
+    """The regime scenario's training pool: the first tokens / (2 x 286) questions of the toy pool
+    (random kinds; disjoint from the held-out set as the whole pool is), as JSONL in `out`."""
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+
+    n = round(tokens / (REGIME_EPOCHS * REGIME_TOKENS_PER_QUESTION))
+    (full,) = resolve_toy(load_config(None, extra)).data.train_files
+    rows = Path(full).read_text().splitlines(keepends=True)
+    if n > len(rows):
+        raise ValueError(f"--tokens {tokens} wants a {n}-question pool; the toy pool has {len(rows)}")
+    pool = out / f"regime-pool-{n}.jsonl"
+    pool.write_text("".join(rows[:n]))
+    return pool
 
 
 def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
     run_root = out / f"{scenario}-{arm}-s{seed}"
-    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
+    pool = [f"data.train_files=[\"{regime_pool(tokens, out, extra)}\"]"] if scenario == "regime" else []
+    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *pool, *ARMS[arm],
             f"learner.seed={seed}", f"data.shuffle_seed={seed}", "rollout.seeded=true",
             f"learner.max_generated_tokens={tokens}",
             f"learner.eval_every_tokens={every}", "learner.max_steps=100000", "learner.checkpoint_every=0",

@@ -33,4 +33,6 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     steps = {k: v for k, v in res["step_1.5b"].items() if isinstance(v, dict)}
     assert len(steps) == 4 and all(v["tokens_per_s"] > 0 for v in steps.values())
     assert res["memory_7b"]["publish_sets_after_two"] == 1  # issue 33, A1: one set on a GPU, repacked in place
+    load = res["load"]  # the learner ranks' load from rank 0 gives the checkpoint exactly, ties kept
+    assert (load["tensors_differing"], load["on_device"], load["tied_kept"]) == (0, True, True) and load["tensors"] > 0
     assert res["sync"]["receive_hazard"] == "skipped: needs CUDA streams" and "skipped" in res["stall"]
