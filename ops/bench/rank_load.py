@@ -29,15 +29,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
 
 from learner.memory_model import QWEN25_05B, qwen2_config  # noqa: E402
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+from learner_memory import _rss  # noqa: E402  (a /proc/self/status field, in bytes)
 
 
 def _rank(rank: int, world: int, model: str, port: int, path: str, out: str) -> None:
@@ -53,7 +48,7 @@ def _rank(rank: int, world: int, model: str, port: int, path: str, out: str) -> 
     cfg.learner.mixed_precision = "none"
     ranks = Ranks.from_env(world, "cpu", 600.0)
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-    base, t0 = _kib("VmRSS"), time.perf_counter()
+    base, t0 = _rss("VmRSS"), time.perf_counter()
     from learner.model import load_policy, policy_skeleton
     from learner.policy import receive_weights, shard
 
@@ -66,7 +61,7 @@ def _rank(rank: int, world: int, model: str, port: int, path: str, out: str) -> 
         shard(m, "none")
     params = m.parameters()
     local = sum(p.to_local().numel() * 4 for p in params)
-    row = {"path": path, "rank": rank, "peak_above_start_bytes": _kib("VmHWM") - base, "local_shard_bytes": local,
+    row = {"path": path, "rank": rank, "peak_above_start_bytes": _rss("VmHWM") - base, "local_shard_bytes": local,
            "seconds": time.perf_counter() - t0}
     Path(out, f"{path}-{rank}.json").write_text(json.dumps(row))
     torch.distributed.barrier()
