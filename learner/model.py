@@ -74,7 +74,8 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in first:
             ties.append((name, first[id(p)]))
-        first.setdefault(id(p), name)
+        else:
+            first[id(p)] = name
     model.to_empty(device=device)
     for name, same in ties:
         owner, _, attr = name.rpartition(".")

@@ -97,8 +97,7 @@ def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
 
 def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
     run_root = out / f"{scenario}-{arm}-s{seed}"
-    pool = [f"data.train_files=[\"{regime_pool(tokens, out, extra)}\"]"] if scenario == "regime" else []
-    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *pool, *ARMS[arm],
+    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
             f"learner.seed={seed}", f"data.shuffle_seed={seed}", "rollout.seeded=true",
             f"learner.max_generated_tokens={tokens}",
             f"learner.eval_every_tokens={every}", "learner.max_steps=100000", "learner.checkpoint_every=0",
@@ -265,6 +264,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'learning-' + args.scenario}.json"
+    if args.scenario == "regime":  # its pool, written once for every arm and seed (and recorded in the JSON)
+        extra = [f"data.train_files=[\"{regime_pool(args.tokens, out, extra)}\"]", *extra]
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a partial result is paired
         for arm in arms:
