@@ -10,6 +10,7 @@ teardown together); with EXGRPO_CHECK_FAST=1 such a test fails the session.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 FAST_LIMIT_S = 30.0
 _unmarked_seconds: dict[str, float] = {}  # test id -> seconds, for tests not marked slow
+_cpu_use: dict[str, tuple[float, float]] = {}  # test id -> (seconds, share of the machine's CPU busy meanwhile)
+CPU_REPORT_TESTS = 25
 
 
 def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
@@ -60,12 +63,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(all, idle + iowait) jiffies over every core since boot; None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except OSError:
+        return None
+    return sum(fields), fields[3] + fields[4]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Where the suite waits: how busy the machine's CPUs were during each test (set-up, call, teardown)."""
+    start, t0 = _cpu_jiffies(), time.monotonic()
+    yield
+    end = _cpu_jiffies()
+    if start and end and end[0] > start[0]:
+        _cpu_use[item.nodeid] = (time.monotonic() - t0, 1.0 - (end[1] - start[1]) / (end[0] - start[0]))
+
+
 def pytest_runtest_logreport(report):
     if "slow" not in report.keywords:
         _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    slowest = sorted(_cpu_use.items(), key=lambda kv: -kv[1][0])[:CPU_REPORT_TESTS]
+    if slowest:
+        cores = os.cpu_count() or 1
+        terminalreporter.section(f"CPU use of the slowest {len(slowest)} tests ({cores} cores; idle core-s: waiting)")
+        for nodeid, (seconds, busy) in slowest:
+            terminalreporter.line(f"{seconds:7.1f} s  {100 * busy:4.0f}% busy  {seconds * cores * (1 - busy):6.1f} idle core-s  "
+                                  f"{nodeid}")
     too_long = {k: v for k, v in _unmarked_seconds.items() if v > FAST_LIMIT_S}
     if not too_long:
         return
