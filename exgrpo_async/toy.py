@@ -14,6 +14,7 @@ Everything is cached in a folder keyed by the recipe, so a second demo run skips
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -296,16 +297,27 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
     """Build (or reuse) the warm-started tiny policy and the toy train/test JSONL files.
 
     Returns paths {"model", "train", "test"}. A folder is only used once its `done` marker exists, so
-    an interrupted build is redone rather than half-reused. After the SFT the policy's held-out accuracy
-    is measured and written to sft.json; outside WARM_START_BAND it prints a warning (never fails).
+    an interrupted build is redone rather than half-reused. Processes that ask at once (two commands,
+    the suite's parallel workers) take turns on a lock file; the later ones reuse the first's build.
+    After the SFT the policy's held-out accuracy is measured and written to sft.json; outside
+    WARM_START_BAND it prints a warning (never fails).
     """
-    import torch
-
     root = Path(cache_dir).expanduser() / f"toy-{recipe_key(seed, sft_steps)}"
     paths = {"model": root / "policy", "train": root / "train.jsonl", "test": root / "test.jsonl"}
     if (root / "done").exists():
         return paths
     root.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        if not (root / "done").exists():
+            _build_toy_assets(root, paths, seed, sft_steps, train_questions, threads)
+    return paths
+
+
+def _build_toy_assets(root: Path, paths: dict[str, Path], seed: int, sft_steps: int, train_questions: int,
+                      threads: int) -> None:
+    import torch
+
     test = make_test_set(seed)
     exclude = {r["problem"] for r in test}
     for name, rows in (("test", test), ("train", make_train_set(seed, train_questions, exclude))):
@@ -337,4 +349,3 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
     model.save_pretrained(str(paths["model"]))
     (root / "sft.json").write_text(json.dumps(summary))
     (root / "done").write_text("ok\n")
-    return paths

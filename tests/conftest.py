@@ -22,6 +22,13 @@ FAST_LIMIT_S = 30.0
 _unmarked_seconds: dict[str, float] = {}  # test id -> seconds, for tests not marked slow
 _cpu_use: dict[str, tuple[float, float]] = {}  # test id -> (seconds, share of the machine's CPU busy meanwhile)
 CPU_REPORT_TESTS = 25
+# the files that take longest, longest first (seconds on one worker, the CPU report of a suite run)
+LONGEST_FIRST = [f"tests/{name}.py" for name in (
+    "integration/test_rehearsal", "integration/test_full_run", "integration/test_faults", "integration/test_soak",
+    "integration/test_eval", "integration/test_weight_sync_vllm", "integration/test_prometheus",
+    "integration/test_resume", "integration/test_fuzz", "integration/test_learner_ranks",
+    "integration/test_multinode", "unit/test_memory_model", "unit/test_lead_wait",
+    "integration/test_hostile_learner", "integration/test_stream_engine", "unit/test_gpu_check")]
 
 
 def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
@@ -54,7 +61,10 @@ def _quiet_single_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skip them (visibly) on machines without it."""
+    """The longest files first (ops/test runs files on two workers, each file on one: the longest
+    first packs them best); tests marked `gpu` need CUDA: skip them (visibly) on machines without it."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -72,17 +82,32 @@ def _cpu_jiffies() -> tuple[int, int] | None:
     return sum(fields), fields[3] + fields[4]
 
 
+_cpu_start: dict[str, tuple[tuple[int, int] | None, float]] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _cpu_start[item.nodeid] = (_cpu_jiffies(), time.monotonic())
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Where the suite waits: how busy the machine's CPUs were during each test (set-up, call, teardown)."""
-    start, t0 = _cpu_jiffies(), time.monotonic()
-    yield
+def pytest_runtest_makereport(item, call):
+    """Where the suite waits: how busy the machine's CPUs were during each test (set-up, call and
+    teardown), carried on the teardown's report so that it reaches the controller under xdist."""
+    outcome = yield
+    if call.when != "teardown" or item.nodeid not in _cpu_start:
+        return
+    start, t0 = _cpu_start.pop(item.nodeid)
     end = _cpu_jiffies()
     if start and end and end[0] > start[0]:
-        _cpu_use[item.nodeid] = (time.monotonic() - t0, 1.0 - (end[1] - start[1]) / (end[0] - start[0]))
+        busy = 1.0 - (end[1] - start[1]) / (end[0] - start[0])
+        outcome.get_result().user_properties.append(("cpu_use", (time.monotonic() - t0, busy)))
 
 
 def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_use":
+            _cpu_use[report.nodeid] = tuple(value)
     if "slow" not in report.keywords:
         _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
 

@@ -45,7 +45,7 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     L, tp = node.learner, node.actor.engine.tensor_parallel_size
     proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, NO_EVAL_BEFORE,
                               f"output_dir={tmp_path / 'runs'}"]),
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # the node's plan, and each process started with its share of it
     learner_gpus = ",".join(map(str, range(L.world_size)))
@@ -95,7 +95,7 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     # the rehearsed run resumes as one (its config.json), on the same topology: its ranks load their shards
     resumed = subprocess.run(cli(["train", "--resume", str(run_dir), f"learner.max_steps={STEPS + 1}",
                                   "data.eval_file=none"]),  # its evaluations are the first run's
-                             capture_output=True, text=True, timeout=400)
+                             capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert re.search(rf"resumed from \S*step-{STEPS:06d}: step {STEPS},", resumed.stderr), resumed.stderr[-3000:]
     assert f"learner ranks: CUDA_VISIBLE_DEVICES={learner_gpus}" in resumed.stderr

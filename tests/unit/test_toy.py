@@ -136,3 +136,29 @@ def test_band_warnings():
     low = dict(inside, greedy=0.0)
     (line,) = band_warnings(low)
     assert line.startswith("greedy 0.000 not in")
+
+
+def test_two_builders_at_once_take_turns_and_the_second_reuses_the_first(tmp_path, monkeypatch):
+    """Two callers of ensure_toy_assets at once (two commands, or the suite's two workers) build the
+    warm start once: the second waits on the lock, then finds it done (the build is a fake that records
+    each run and takes a while, so that the two overlap)."""
+    import threading
+    import time
+
+    from exgrpo_async import toy
+
+    builds = []
+
+    def slow_build(root, paths, *args):
+        builds.append(root)
+        time.sleep(0.5)
+        (root / "done").write_text("ok\n")
+
+    monkeypatch.setattr(toy, "_build_toy_assets", slow_build)
+    got = []
+    callers = [threading.Thread(target=lambda: got.append(toy.ensure_toy_assets(tmp_path, 0, 3))) for _ in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(10)
+    assert len(got) == 2 and got[0] == got[1] and len(builds) == 1
