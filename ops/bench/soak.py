@@ -1,8 +1,9 @@
 """Soak: one training run for `--minutes`, with actors killed, frozen, added and removed on a schedule.
 
-A real `exgrpo-async train` (the toy task, `learner.max_seconds` = the soak's length, held-out
-evaluation off, restarts enough for the schedule) runs while this script, every `--every` seconds,
-does the next event of the cycle
+A real `exgrpo-async train` (the toy task, held-out evaluation off, restarts enough for the schedule)
+trains for `--minutes` from its first step, when this script ends it with RUN_DIR/STOP (however long
+the start took, the schedule is the same; `learner.max_seconds` is only a safety cap, 5 minutes
+later). Meanwhile, every `--every` seconds, it does the next event of the cycle
 - kill: SIGKILL one of the launcher's actors (the launcher restarts it; the learner re-issues its work),
 - freeze: SIGSTOP one for `--freeze` seconds, then SIGCONT (its heartbeat stops; it is presumed dead
   after `transport.actor_timeout_s` and rejoins when it wakes),
@@ -17,7 +18,7 @@ no further), the actors' RSS range, the events done, and from summary.json the
 question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
 
     .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
-    .venv/bin/python ops/bench/soak.py --minutes 1 --every 9 --sample 2 --warmup 0.5   # the CI version (tests/)
+    .venv/bin/python ops/bench/soak.py --minutes 0.6 --every 7 --sample 2 --warmup 0.3   # the CI version (tests/)
     .venv/bin/python ops/bench/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
 """
 
@@ -36,6 +37,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 CYCLE = ("kill", "freeze", "add", "remove")
+SAFETY_S = 300  # learner.max_seconds beyond --minutes: ends the run should this script fail to
 
 
 def roles(launcher: psutil.Process) -> tuple[psutil.Process | None, list[psutil.Process]]:
@@ -162,7 +164,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     restarts = int(a.minutes * 60 / a.every) + 3
     cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", f"output_dir={out / 'runs'}", "learner.max_steps=1000000",
-           f"learner.max_seconds={a.minutes * 60}", "data.eval_file=none", f"actor.max_restarts={restarts}",
+           f"learner.max_seconds={a.minutes * 60 + SAFETY_S}", "data.eval_file=none", f"actor.max_restarts={restarts}",
            "transport.actor_timeout_s=10", "learner.checkpoint_every=0", *extra]
     with open(out / "train.log", "w") as log:
         train = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -176,16 +178,15 @@ def main() -> None:
                         (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size:
                     address = json.loads((run / "learner.json").read_text())["address"]
                     schedule, t0 = Schedule(address, a.freeze, out), time.time()  # the clock starts at step 1
-                    # the learner's time budget starts when it listens (learner.json), before the actors'
-                    # engines are up and step 1 comes: no event in its last every/2 seconds, so training
-                    # is seen to go on after the last one
-                    budget_end = (run / "learner.json").stat().st_mtime + a.minutes * 60
                 if schedule is None:
                     continue
                 t = time.time() - t0
+                if t >= a.minutes * 60:
+                    (run / "STOP").touch()  # the learner ends after its current step
                 learner, actors = roles(launcher)
                 schedule.thaw(time.time())
-                if t >= a.every * (len(schedule.done) + 1) and time.time() < budget_end - a.every / 2:
+                # no event in the last every/2 seconds, so that training is seen to go on after the last one
+                if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
                     schedule.next(t, actors)
                 steps = (run / "metrics.jsonl").read_text().count("\n")
                 procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])

@@ -4,9 +4,9 @@ Each config runs its own process topology and code path at the toy shape: its GP
 started with the CUDA_VISIBLE_DEVICES the node would give it), its learner ranks (FSDP2 over gloo, the
 bf16 recipe, gradient checkpointing, packed micro-batches), its actors' tensor-parallel engines, its data
 format (verl parquet rows with the system prompt, a bad row skipped and counted), ExGRPO, evaluation
-with the best-weights rule that leaves Minerva out, checkpoints, and `train --resume` (at 4 ranks; one
-rank's resume is test_resume.py's). Only the kernels differ (and the number of actors: one, of the
-config's kind). The 7B rehearsal's TP-2 actor is also the suite's tensor-parallel `train` run: both
+with the best-weights rule that leaves Minerva out, checkpoints, and `train --resume` (at 4 ranks: the
+last checkpoint's shards loaded and gathered back exactly; one rank's resume is test_resume.py's). Only
+the kernels differ (and the number of actors: one, of the config's kind). The 7B rehearsal's TP-2 actor is also the suite's tensor-parallel `train` run: both
 workers in the weight-sync group, every load fingerprinted as the workers' shares.
 """
 
@@ -18,13 +18,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from exgrpo_async.config import load_config
 from exgrpo_async.rehearse import EVAL_SOURCES, STEPS
 from tests.integration.conftest import SFT_STEPS, TOY_CACHE
 from tests.integration.helpers import cli
 
-pytestmark = pytest.mark.slow  # a 4-step run (and the 7B's resume): 1.5-4 min each
+pytestmark = pytest.mark.slow  # a 4-step run (and the 7B's resume): 1-3 min each
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}", "metrics.port=none"]
@@ -92,13 +94,19 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
 
     if L.world_size == 1:  # a one-rank learner's resume is test_resume.py's and the 2-rank drill's
         return
-    # the rehearsed run resumes as one (its config.json), on the same topology: its ranks load their shards
-    resumed = subprocess.run(cli(["train", "--resume", str(run_dir), f"learner.max_steps={STEPS + 1}",
-                                  "data.eval_file=none"]),  # its evaluations are the first run's
-                             capture_output=True, text=True, timeout=600)
+    # the rehearsed run resumes as one (its config.json), on the same topology: its ranks take their shards
+    # of the last checkpoint from the lead and gather them back into final/. No step and no actor (the
+    # steps after a resume are test_resume.py's, the drill's and, at 2 ranks, test_learner_ranks.py's),
+    # so the final weights must be the checkpoint's exactly (in the config's bf16)
+    resumed = subprocess.run(cli(["train", "--resume", str(run_dir), f"learner.max_steps={STEPS}", "actor.num_actors=0",
+                                  "data.eval_file=none"]), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert re.search(rf"resumed from \S*step-{STEPS:06d}: step {STEPS},", resumed.stderr), resumed.stderr[-3000:]
     assert f"learner ranks: CUDA_VISIBLE_DEVICES={learner_gpus}" in resumed.stderr
     steps, _ = rows_of(run_dir)
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 2))
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert json.loads((run_dir / "summary.json").read_text())["questions_unaccounted"] == 0
+    final = load_file(run_dir / "final" / "model.safetensors")
+    saved = load_file(run_dir / "checkpoints" / f"step-{STEPS:06d}" / "model" / "model.safetensors")
+    assert final.keys() == saved.keys() and {t.dtype for t in final.values()} == {torch.bfloat16}
+    assert all(torch.equal(final[k], saved[k].to(torch.bfloat16)) for k in saved)

@@ -1,6 +1,7 @@
-"""The soak bench's CI version: 60 s of training with an actor killed, one frozen (past the timeout: presumed
-dead, then rejoins), one added and removed, an event every 9 s from step 1 (ops/bench/soak.py). The
-60-minute figures are in docs/benchmarks.md."""
+"""The soak bench's CI version: 36 s of training from step 1 with an actor killed, one frozen (past the
+timeout: presumed dead, then rejoins), one added and removed, an event every 7 s from step 1 (events at
+7, 14, 21 and 28 s however long the start took; ops/bench/soak.py). The 60-minute figures are in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ pytestmark = pytest.mark.slow
 
 def test_churn_keeps_the_books(small, tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "1.0", "--every", "9", "--sample", "2", "--warmup", "0.5",
+    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "0.6", "--every", "7", "--sample", "2", "--warmup", "0.3",
                            "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "soak.json").read_text())
     assert res["returncode"] == 0
-    assert all(res["events"][k] >= 1 for k in ("kill", "freeze", "add", "remove")), res["events"]
+    assert [e["event"] for e in res["event_log"]] == ["kill", "freeze", "add", "remove"], res["event_log"]
     assert res["restarts"] == res["events"]["kill"]  # the launcher restarted each killed actor
     # each killed actor, and the frozen one (15 s against transport.actor_timeout_s=10), presumed dead
     # (the learner gives up on it 10-11 s later: an event in the run's last 12 s may not be counted yet)
