@@ -128,7 +128,10 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
                 if t["health"] == "up":
                     seen_targets.setdefault(t["labels"]["role"], set()).add(t["labels"].get("actor_id"))
             seen_actor_series |= len(_query(port, 'exgrpo_actor_generated_tokens_total{role="actor"} > 0')) >= 2
-            if not killed and seen_actor_series:
+            # freeze once both actors' series are in and Prometheus has reported both targets up (a series
+            # can land between the targets poll and the query: freezing then left actor-2 never seen up,
+            # seen with two test workers sharing the cores)
+            if not killed and seen_actor_series and {"actor-1", "actor-2"} <= seen_targets.get("actor", set()):
                 frozen, frozen_at, killed = actor_pids(run.pid), time.monotonic(), True
                 for pid in frozen:
                     os.kill(pid, signal.SIGSTOP)
