@@ -61,8 +61,9 @@ def _quiet_single_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (ops/test runs files on two workers, each file on one: the longest
-    first packs them best); tests marked `gpu` need CUDA: skip them (visibly) on machines without it."""
+    """The longest files first (with EXGRPO_TEST_WORKERS=2, ops/test runs files on two workers, each
+    file on one: the longest first packs them best); tests marked `gpu` need CUDA: skip them (visibly)
+    on machines without it."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if torch.cuda.is_available():
