@@ -4,7 +4,9 @@ Selection: tests that take more than about 20 s (every `exgrpo-async train` run,
 real multi-process runs) are marked `slow`; `-m "not slow"` is the quick selection (the unit tests
 and the quick integration tests, under 5 minutes on 2 cores). To keep that true, the session ends
 with a list of the tests not marked slow that took longer than FAST_LIMIT_S (setup, call and
-teardown together); with EXGRPO_CHECK_FAST=1 such a test fails the session.
+teardown together); with EXGRPO_CHECK_FAST=1 such a test fails the session. It also ends with how
+busy the machine's CPUs were during its slowest tests: a slow test at low CPU is waiting (fixed waits,
+timeouts, processes starting one after another), one at full CPU is computing.
 """
 
 from __future__ import annotations
