@@ -169,7 +169,7 @@ def main() -> None:
     with open(out / "train.log", "w") as log:
         train = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         launcher = psutil.Process(train.pid)
-        t0, samples, schedule = time.time(), [], None
+        t0, samples, schedule, stop_sent = time.time(), [], None, False
         try:
             while train.poll() is None:
                 time.sleep(a.sample)
@@ -181,8 +181,9 @@ def main() -> None:
                 if schedule is None:
                     continue
                 t = time.time() - t0
-                if t >= a.minutes * 60:
-                    (run / "STOP").touch()  # the learner ends after its current step
+                if t >= a.minutes * 60 and not stop_sent:
+                    (run / "STOP").touch()  # the learner ends after its current step (and removes the file)
+                    stop_sent = True
                 learner, actors = roles(launcher)
                 schedule.thaw(time.time())
                 # no event in the last every/2 seconds, so that training is seen to go on after the last one

@@ -25,6 +25,8 @@ def test_churn_keeps_the_books(small, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "soak.json").read_text())
     assert res["returncode"] == 0
+    (run,) = (out / "runs").glob("run-*")
+    assert not (run / "STOP").exists()  # sent once, and consumed by the learner
     assert [e["event"] for e in res["event_log"]] == ["kill", "freeze", "add", "remove"], res["event_log"]
     assert res["restarts"] == res["events"]["kill"]  # the launcher restarted each killed actor
     # each killed actor, and the frozen one (15 s against transport.actor_timeout_s=10), presumed dead
