@@ -6,14 +6,16 @@ bf16 recipe, gradient checkpointing, packed micro-batches), its actors' tensor-p
 format (verl parquet rows with the system prompt, a bad row skipped and counted), ExGRPO, evaluation
 with the best-weights rule that leaves Minerva out, checkpoints, and `train --resume` (at 4 ranks: the
 last checkpoint's shards loaded and gathered back exactly; one rank's resume is test_resume.py's). Only
-the kernels differ (and the number of actors: one, of the config's kind). The 7B rehearsal's TP-2 actor is also the suite's tensor-parallel `train` run: both
-workers in the weight-sync group, every load fingerprinted as the workers' shares.
+the kernels differ (and the number of actors: one, of the config's kind). The 7B rehearsal's TP-2 actor
+is also the suite's tensor-parallel `train` run: both workers in the weight-sync group, every load
+fingerprinted as the workers' shares.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -97,7 +99,9 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
     # the rehearsed run resumes as one (its config.json), on the same topology: its ranks take their shards
     # of the last checkpoint from the lead and gather them back into final/. No step and no actor (the
     # steps after a resume are test_resume.py's, the drill's and, at 2 ranks, test_learner_ranks.py's),
-    # so the final weights must be the checkpoint's exactly (in the config's bf16)
+    # so the final weights must be the checkpoint's exactly (in the config's bf16): the first run's final/
+    # holds the same weights, so it goes first, and the resumed run must write its own
+    shutil.rmtree(run_dir / "final")
     resumed = subprocess.run(cli(["train", "--resume", str(run_dir), f"learner.max_steps={STEPS}", "actor.num_actors=0",
                                   "data.eval_file=none"]), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
