@@ -1,4 +1,5 @@
-"""Entry point of an actor process: pin to its cores (CPU), find the learner, run the loop.
+"""Entry points of the actor role: an actor process (pin to its cores on CPU, find the learner, run the
+loop), and `exgrpo-async eval` (`run_eval`: the same engines and verifier, scoring a model on held-out files).
 
 The learner's address is given (`--learner tcp://HOST:PORT`: the actor joins at once and starts vLLM
 once welcomed) or read from the file the learner writes once it listens (`--learner-file
@@ -12,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NoReturn
 
+from exgrpo_async.config import RunConfig
 from exgrpo_async.logs import end_process
 
 log = logging.getLogger("exgrpo_async.actor")
@@ -33,7 +36,8 @@ def main(learner_address: str | None, cpu_cores: list[int] | None, keys_dir: str
         os.sched_setaffinity(0, set(cpu_cores))  # before torch starts its threads
     import torch
 
-    from actors.loop import HELLO_ATTEMPT_S, run
+    from actors.loop import run
+    from actors.session import HELLO_ATTEMPT_S
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -47,6 +51,25 @@ def main(learner_address: str | None, cpu_cores: list[int] | None, keys_dir: str
     run(address, on_cpu=on_cpu, keys_dir=keys_dir,
         hello_retry_s=HELLO_ATTEMPT_S if hello_retry_s is None else hello_retry_s)
     end_process(0)
+
+
+def run_eval(cfg: RunConfig, model: str, files: list[str], samples: int, temperature: float, max_tokens: int,
+             limit: int | None, actors: int, seed: int, out: Path | None, save_completions: bool) -> int:
+    """`exgrpo-async eval`: score `model` on `files` with `actors` engines, write the report (to `out`, or
+    beside the model) and print its table; 2 with the reason for data or a model it cannot evaluate."""
+    from actors.evaluate import EvalError, default_out, evaluate, format_table, write_report
+    from exgrpo_async.data import DataError
+
+    try:
+        report = evaluate(cfg, model, files, samples, temperature, max_tokens, limit, actors, seed)
+    except (DataError, EvalError) as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return 2
+    out = out or default_out(model)
+    write_report(report, out, save_completions)
+    print(format_table(report))
+    print(f"report: {out}")
+    return 0
 
 
 def wait_for_address(path: Path, patience_s: float) -> str:

@@ -23,9 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
-from actors.loop import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request,
-                         score_groups, weight_group, work_request)
 from actors.metrics import ActorMetrics
+from actors.session import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request,
+                            score_groups, weight_group, work_request)
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
 from exgrpo_async.transport import ActorSocket

@@ -292,19 +292,10 @@ def _eval(args, cfg) -> int:
         cfg.data.prompt_template = args.prompt_template
     cfg.data.use_chat_template = cfg.data.use_chat_template or args.chat_template
 
-    from actors.evaluate import EvalError, default_out, evaluate, format_table, write_report
-    from exgrpo_async.data import DataError
+    from actors.main import run_eval
 
-    try:
-        report = evaluate(cfg, model, files, samples, temperature, max_tokens, args.limit, args.actors, args.seed)
-    except (DataError, EvalError) as e:
-        print(f"exgrpo-async: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out) if args.out else default_out(model)
-    write_report(report, out, args.save_completions)
-    print(format_table(report))
-    print(f"report: {out}")
-    return 0
+    return run_eval(cfg, model, files, samples, temperature, max_tokens, args.limit, args.actors, args.seed,
+                    Path(args.out) if args.out else None, args.save_completions)
 
 
 if __name__ == "__main__":

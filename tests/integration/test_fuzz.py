@@ -106,7 +106,7 @@ def check_answers(tally: Tally, replies: Counter) -> None:
 def test_fuzzed_messages_are_counted_exactly_and_logged_rate_limited(caplog):
     """The in-process server, 10^4 messages: counters equal the model's, answers match, the server
     thread is alive and still serves an actor, the drop log has a few lines."""
-    from actors.loop import join, request
+    from actors.session import join, request
     from tests.integration.test_joins import _server
 
     server = _server(timeout_s=300, max_message_mb=2)  # the fuzz sockets' rendezvous stay pending throughout
@@ -142,7 +142,7 @@ def test_fuzzed_messages_are_counted_exactly_and_logged_rate_limited(caplog):
 def test_an_error_handling_one_message_is_counted_and_the_server_goes_on(caplog):
     """A bug met while handling a message (here: the group handler raises) is a counted bad message
     with its traceback in the log, not a dead server thread."""
-    from actors.loop import join, request
+    from actors.session import join, request
     from tests.integration.test_joins import _server
 
     server = _server(timeout_s=5)

@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import zmq
 
-from actors.loop import LearnerLost, ProtocolError, check_reply, join, request, weight_group
+from actors.session import LearnerLost, ProtocolError, check_reply, join, request, weight_group
 from exgrpo_async.config import RunConfig
 from exgrpo_async.wire import decode_header, encode_control
 from tests.integration.helpers import cli

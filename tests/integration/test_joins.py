@@ -20,7 +20,7 @@ import time
 import torch
 import zmq
 
-from actors.loop import join, request, weight_group
+from actors.session import join, request, weight_group
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, WeightReceiver
 from exgrpo_async.wire import decode_header, encode_control

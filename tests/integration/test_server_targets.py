@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from actors.loop import join, request, weight_group
+from actors.session import join, request, weight_group
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher
 from exgrpo_async.wire import encode_control

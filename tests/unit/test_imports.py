@@ -7,8 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = {"actors": {"learner"}, "learner": {"actors"}, "exgrpo_async": {"actors", "learner"}}
-# The command line is the composition root: it starts a role by calling that role's main() (and
-# `eval` by calling actors.evaluate), and nothing else in exgrpo_async may name a role package.
+# The command line is the composition root: it starts a role through that role's main module (`eval`
+# through actors.main.run_eval), and nothing else in exgrpo_async may name a role package.
 COMPOSITION_ROOT = ROOT / "exgrpo_async" / "cli.py"
 
 
@@ -37,8 +37,7 @@ def test_package_boundaries(package):
     assert files
     for f in files:
         if f == COMPOSITION_ROOT:
-            allowed = {"actors.main", "actors.evaluate", "learner.main"}
-            assert role_modules(f) <= allowed, "the CLI may only call the roles' main() and actors.evaluate"
+            assert role_modules(f) <= {"actors.main", "learner.main"}, "the CLI may only call the roles' main modules"
             continue
         bad = imported_top_packages(f) & RULES[package]
         assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
@@ -49,3 +48,11 @@ def test_the_checker_sees_imports(tmp_path):
     f.write_text("import learner.train\nfrom actors.loop import run\n")
     assert imported_top_packages(f) == {"learner", "actors"}
     assert role_modules(f) == {"learner.train", "actors.loop"}
+
+
+def test_the_actor_loops_share_a_session_and_import_neither_other():
+    """The batch loop picks the stream loop (one way); the stream loop takes what both need from
+    actors/session.py, never from the batch loop."""
+    stream = role_modules(ROOT / "actors" / "stream_loop.py")
+    assert "actors.session" in stream and "actors.loop" not in stream
+    assert not role_modules(ROOT / "actors" / "session.py") & {"actors.loop", "actors.stream_loop"}
