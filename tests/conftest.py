@@ -24,13 +24,17 @@ FAST_LIMIT_S = 30.0
 _unmarked_seconds: dict[str, float] = {}  # test id -> seconds, for tests not marked slow
 _cpu_use: dict[str, tuple[float, float]] = {}  # test id -> (seconds, share of the machine's CPU busy meanwhile)
 CPU_REPORT_TESTS = 25
-# the files that take longest, longest first (seconds on one worker, the CPU report of a suite run)
-LONGEST_FIRST = [f"tests/{name}.py" for name in (
+# The order files run in. First the longest that do not need the toy policy, while it builds in the
+# background on a machine without it cached (tests/integration/conftest.py); then those that need it,
+# longest first; then the rest (short unit tests: under EXGRPO_TEST_WORKERS=2, where each file runs on
+# one worker, they even out the two workers' ends). Seconds on one process, from a suite run's report.
+RUN_ORDER = [f"tests/{name}.py" for name in (
+    "integration/test_weight_sync_vllm", "unit/test_memory_model", "unit/test_lead_wait",
+    "integration/test_hostile_learner", "integration/test_learner_ranks", "integration/test_stream_engine",
+    "integration/test_joins", "unit/test_gpu_check",  # about 200 s without the toy policy
     "integration/test_rehearsal", "integration/test_full_run", "integration/test_faults", "integration/test_soak",
-    "integration/test_eval", "integration/test_weight_sync_vllm", "integration/test_prometheus",
-    "integration/test_resume", "integration/test_fuzz", "integration/test_learner_ranks",
-    "integration/test_multinode", "unit/test_memory_model", "unit/test_lead_wait",
-    "integration/test_hostile_learner", "integration/test_stream_engine", "unit/test_gpu_check")]
+    "integration/test_prometheus", "integration/test_eval", "integration/test_resume", "integration/test_fuzz",
+    "integration/test_multinode")]
 
 
 def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
@@ -63,10 +67,9 @@ def _quiet_single_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (with EXGRPO_TEST_WORKERS=2, ops/test runs files on two workers, each
-    file on one: the longest first packs them best); tests marked `gpu` need CUDA: skip them (visibly)
-    on machines without it."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    """Files in RUN_ORDER's order, the others after them in collection order; tests marked `gpu` need
+    CUDA: skip them (visibly) on machines without it."""
+    rank = {path: i for i, path in enumerate(RUN_ORDER)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if torch.cuda.is_available():
         return

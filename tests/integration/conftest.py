@@ -6,11 +6,17 @@ toy.py's source, so a suite on a reused machine skips the two-minute SFT and nev
 a small batch, and the precision pinned (fp32 actors and learner: "auto" asks a timing probe, whose
 answer can change between two runs compared for equality; the bf16 learner is run explicitly where a
 test says so).
+
+When a selected test needs the toy policy (the `toy` fixture, which `small` uses) and it is not cached
+yet, its build starts in a background process as soon as collection ends, so the tests that do not
+need it (ordered first, tests/conftest.py) run meanwhile; `toy` waits for the build.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +28,48 @@ TOY_CACHE = Path(os.environ.get("EXGRPO_TEST_TOY_CACHE", "~/.cache/exgrpo_async/
 PINNED_PRECISION = ["model.dtype=float32", "learner.mixed_precision=none"]
 
 
+TOY = [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}"]
+TOY_BUILD_TIMEOUT_S = 1200
+_build: dict[str, object] = {}  # the background build started at collection's end: "proc", "log"
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the toy policy's build in the background if a selected test needs it and it is not cached
+    (under xdist each worker starts one; they take turns on the build's lock, the second finds it done)."""
+    if not any("toy" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from exgrpo_async.toy import recipe_key
+
+    if (TOY_CACHE / f"toy-{recipe_key(0, SFT_STEPS)}" / "done").exists():
+        return
+    TOY_CACHE.mkdir(parents=True, exist_ok=True)
+    log = TOY_CACHE / f"build-{os.getpid()}.log"
+    code = ("import sys; from exgrpo_async.config import load_config; from exgrpo_async.launch import resolve_toy; "
+            "resolve_toy(load_config(None, sys.argv[1:]))")  # the same call as `train`'s
+    with open(log, "w") as out:
+        _build.update(proc=subprocess.Popen([sys.executable, "-c", code, *TOY], stdout=out, stderr=subprocess.STDOUT,
+                                            cwd=Path(__file__).resolve().parents[2]), log=log)
+
+
 @pytest.fixture(scope="session")
-def small() -> list[str]:
-    return [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}", "learner.questions_per_step=8",
-            "rollout.samples_per_question=4", "rollout.questions_per_request=4", "rollout.eval_samples=1",
-            *PINNED_PRECISION]
+def toy() -> Path:
+    """The toy policy's folder, built once (waiting for the background build if one is running)."""
+    proc = _build.get("proc")
+    if proc is not None:
+        try:
+            rc = proc.wait(timeout=TOY_BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        assert rc == 0, f"the toy policy's build failed (exit {rc}):\n" + _build["log"].read_text()[-3000:]
+        _build["log"].unlink(missing_ok=True)
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+
+    return Path(resolve_toy(load_config(None, TOY)).model.path)
+
+
+@pytest.fixture(scope="session")
+def small(toy) -> list[str]:
+    return [*TOY, "learner.questions_per_step=8", "rollout.samples_per_question=4", "rollout.questions_per_request=4",
+            "rollout.eval_samples=1", *PINNED_PRECISION]

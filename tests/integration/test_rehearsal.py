@@ -25,13 +25,12 @@ from safetensors.torch import load_file
 
 from exgrpo_async.config import load_config
 from exgrpo_async.rehearse import EVAL_SOURCES, STEPS
-from tests.integration.conftest import SFT_STEPS, TOY_CACHE
+from tests.integration.conftest import TOY
 from tests.integration.helpers import cli
 
 pytestmark = pytest.mark.slow  # a 4-step run (and the 7B's resume): 1-3 min each
 
 REPO = Path(__file__).resolve().parents[2]
-TOY = [f"toy.cache_dir={TOY_CACHE}", f"toy.sft_steps={SFT_STEPS}", "metrics.port=none"]
 # the evaluation before the first step is the other runs' (test_full_run.py): 5-10 s each here, and the
 # override shows that a key the user sets is left as set
 NO_EVAL_BEFORE = "learner.eval_before=false"
@@ -43,11 +42,11 @@ def rows_of(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-math-7b-8gpu", "qwen2.5-math-1.5b-8gpu"])
-def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, tmp_path):
+def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, toy, tmp_path):
     config = REPO / "configs" / f"{name}.toml"
     node = load_config(config)
     L, tp = node.learner, node.actor.engine.tensor_parallel_size
-    proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, NO_EVAL_BEFORE,
+    proc = subprocess.run(cli(["train", "--config", str(config), "--rehearse", *TOY, "metrics.port=none", NO_EVAL_BEFORE,
                               f"output_dir={tmp_path / 'runs'}"]),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
