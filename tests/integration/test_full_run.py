@@ -134,8 +134,9 @@ def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeou
     assert summary["weight_fingerprint_mismatches"] == 1, summary
     assert "does not run the weights of version" in proc.stderr
     # every load was checked (its fingerprint comes with the next request), and all but the corrupted
-    # one matched: one sync per version it served, plus the repeat
-    assert summary["fingerprints_checked"] == summary["syncs"] >= steps and summary["fingerprints_unchecked"] == 0
+    # one matched: the first three loads and the third's repeat at least (not one per step: an actor
+    # busy while the learner made two steps loads only the newer version; seen under load)
+    assert summary["fingerprints_checked"] == summary["syncs"] >= 4 and summary["fingerprints_unchecked"] == 0
     # a hanging question times out on all its samples: the trained count is a multiple of the group size
     calls = [json.loads(line) for line in probe.read_text().splitlines()]
     hung = sum(1 for c in calls if c["reward"] is None)
