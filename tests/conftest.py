@@ -26,8 +26,8 @@ _cpu_use: dict[str, tuple[float, float]] = {}  # test id -> (seconds, share of t
 CPU_REPORT_TESTS = 25
 # The order files run in. First the longest that do not need the toy policy, while it builds in the
 # background on a machine without it cached (tests/integration/conftest.py); then those that need it,
-# longest first; then the rest (short unit tests: under EXGRPO_TEST_WORKERS=2, where each file runs on
-# one worker, they even out the two workers' ends). Seconds on one process, from a suite run's report.
+# longest first (from a suite run's durations); then the rest, short files that even out the two
+# workers' ends (ops/test runs each file on one of two pytest-xdist workers).
 RUN_ORDER = [f"tests/{name}.py" for name in (
     "integration/test_weight_sync_vllm", "unit/test_memory_model", "unit/test_lead_wait",
     "integration/test_hostile_learner", "integration/test_learner_ranks", "integration/test_stream_engine",

@@ -36,7 +36,7 @@ _build: dict[str, object] = {}  # the background build started at collection's e
 def pytest_collection_finish(session) -> None:
     """Start the toy policy's build in the background if a selected test needs it and it is not cached
     (under xdist each worker starts one; they take turns on the build's lock, the second finds it done)."""
-    if not any("toy" in getattr(item, "fixturenames", ()) for item in session.items):
+    if session.config.option.collectonly or not any("toy" in getattr(i, "fixturenames", ()) for i in session.items):
         return
     from exgrpo_async.toy import recipe_key
 
@@ -49,6 +49,15 @@ def pytest_collection_finish(session) -> None:
     with open(log, "w") as out:
         _build.update(proc=subprocess.Popen([sys.executable, "-c", code, *TOY], stdout=out, stderr=subprocess.STDOUT,
                                             cwd=Path(__file__).resolve().parents[2]), log=log)
+
+
+def pytest_sessionfinish(session) -> None:
+    """A build still running when the session ends (stopped early, or no test got to wait for it) is
+    killed, not left behind; without its `done` marker the next session builds again."""
+    proc = _build.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="session")
