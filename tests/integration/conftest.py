@@ -34,13 +34,10 @@ _build: dict[str, object] = {}  # the background build started at collection's e
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the toy policy's build in the background if a selected test needs it and it is not cached
-    (under xdist each worker starts one; they take turns on the build's lock, the second finds it done)."""
+    """Start the toy policy's build in the background if a selected test needs it: `train`'s own call,
+    which returns at once when the policy is cached (under xdist each worker starts one; they take turns
+    on the build's lock, the second finds it done)."""
     if session.config.option.collectonly or not any("toy" in getattr(i, "fixturenames", ()) for i in session.items):
-        return
-    from exgrpo_async.toy import recipe_key
-
-    if (TOY_CACHE / f"toy-{recipe_key(0, SFT_STEPS)}" / "done").exists():
         return
     TOY_CACHE.mkdir(parents=True, exist_ok=True)
     log = TOY_CACHE / f"build-{os.getpid()}.log"
