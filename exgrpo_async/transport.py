@@ -135,8 +135,11 @@ class ActorSocket:
         self._hint = ("is this actor's client.key in the learner's authorized_clients/, and server.key the learner's?"
                       if keys_dir is not None else "if the learner has transport.curve_keys_dir, pass --keys DIR")
         self._refused: str | None = None
+        # a unique inproc name: pyzmq's default names it by the socket's fd, which a new socket reuses while a
+        # closed one's monitor may still hold the name ("Address already in use", seen in test_security)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                                     addr=f"inproc://actor-monitor-{uuid.uuid4().hex}")
         self.sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().hex.encode())
         self.sock.setsockopt(zmq.SNDHWM, HWM)
         self.sock.setsockopt(zmq.RCVHWM, HWM)
