@@ -43,9 +43,13 @@ def pytest_collection_finish(session) -> None:
     log = TOY_CACHE / f"build-{os.getpid()}.log"
     code = ("import sys; from exgrpo_async.config import load_config; from exgrpo_async.launch import resolve_toy; "
             "resolve_toy(load_config(None, sys.argv[1:]))")  # the same call as `train`'s
+    # the build's 2 OpenMP threads share the cores with the tests: spinning at each barrier while the
+    # other thread waits for a core made it 2.4x slower under load (120 SFT steps: 143 s, 59 s passive;
+    # the same loss either way), docs/benchmarks.md, the suite's ninth pass
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     with open(log, "w") as out:
         _build.update(proc=subprocess.Popen([sys.executable, "-c", code, *TOY], stdout=out, stderr=subprocess.STDOUT,
-                                            cwd=Path(__file__).resolve().parents[2]), log=log)
+                                            cwd=Path(__file__).resolve().parents[2], env=env), log=log)
 
 
 def pytest_sessionfinish(session) -> None:
