@@ -324,6 +324,8 @@ def print_summary(s: dict) -> None:
     rows = [
         ("held-out accuracy (avg@n, sampled)", f"{before.get('accuracy', float('nan')):.3f}", f"{after.get('accuracy', float('nan')):.3f}"),
         ("held-out accuracy (greedy)", f"{before.get('greedy_accuracy', float('nan')):.3f}", f"{after.get('greedy_accuracy', float('nan')):.3f}"),
+        # one evaluation's noise (learner/inbox.py standard_error): differences smaller than about twice it are not shown
+        ("  its standard error (sampled)", f"{before.get('accuracy_se', float('nan')):.3f}", f"{after.get('accuracy_se', float('nan')):.3f}"),
     ]
     print("\n" + f"{'':38s}{'before':>10s}{'after':>10s}")
     for name, b, a in rows:

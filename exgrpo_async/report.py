@@ -186,7 +186,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         lines += ["", "| summary | value |", "|---|---|",
                   f"| held-out accuracy before -> after | {_num(before.get('accuracy'))} -> {_num(after.get('accuracy'))} |",
                   f"| greedy accuracy before -> after | {_num(before.get('greedy_accuracy'))} -> "
-                  f"{_num(after.get('greedy_accuracy'))} |"]
+                  f"{_num(after.get('greedy_accuracy'))} |",
+                  f"| held-out standard error (sampled), before -> after | {_num(before.get('accuracy_se'))} -> "
+                  f"{_num(after.get('accuracy_se'))} |"]
         for key in ("rl_seconds", "rollouts_per_s", "tokens_per_s", "sync_seconds_mean", "skipped_steps",
                     "stale_dropped", "actors_joined", "actors_lost", "questions_unaccounted"):
             if key in summary:

@@ -5,6 +5,7 @@ accounted for)."""
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -105,6 +106,25 @@ def source_score(by_source: dict[str, float], exclude: list[str]) -> float | Non
     return sum(kept) / len(kept) if kept else None
 
 
+def standard_error(per_question: list[float]) -> float:
+    """One evaluation's standard error: the spread of the per-question accuracies (each the mean of that
+    question's samples) over the square root of their number, so both sources of noise count, which
+    questions are in the set and how each one's samples fell. 0.0 with fewer than two questions."""
+    n = len(per_question)
+    if n < 2:
+        return 0.0
+    mean = sum(per_question) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in per_question) / (n - 1) / n)
+
+
+def sampling_error(per_question: list[list[float]]) -> float:
+    """The standard error from the samples alone, the questions held fixed: what separates two policies
+    scored on the same questions. Each question's mean of k 0/1 rewards varies by p(1-p)/k, estimated
+    without bias by p^(1-p^)/(k-1); questions with one sample add nothing (0.0 if none has two)."""
+    var = sum((m := sum(r) / len(r)) * (1 - m) / (len(r) - 1) for r in per_question if len(r) > 1)
+    return math.sqrt(var) / len(per_question) if per_question else 0.0
+
+
 def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunConfig, version: int) -> dict:
     """Score the held-out set (question i from data source `sources[i]`) with the weights of `version`:
     avg@n sampled and greedy accuracy, overall and per source, and the best-weights score."""
@@ -118,6 +138,7 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
         inbox.pump(0.5)
     sampled = [r for it, g in inbox.eval if it.temperature > 0 for r in g.rewards]
     greedy = [r for it, g in inbox.eval if it.temperature == 0 for r in g.rewards]
+    per_question = [list(g.rewards) for it, g in inbox.eval if it.temperature > 0 and g.rewards]
     per_source: dict[str, list[float]] = {}
     for it, g in inbox.eval:
         if it.temperature > 0:
@@ -126,7 +147,9 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
     versions = {g.policy_version for _, g in inbox.eval}
     inbox.eval.clear()
     return {"accuracy": sum(sampled) / len(sampled), "greedy_accuracy": sum(greedy) / len(greedy),
-            "by_source": by_source, "score": source_score(by_source, cfg.learner.best_exclude_sources),
+            "accuracy_se": standard_error([sum(r) / len(r) for r in per_question]),
+            "accuracy_sampling_se": sampling_error(per_question), "greedy_accuracy_se": standard_error(greedy),
+            "questions": n_questions, "by_source": by_source, "score": source_score(by_source, cfg.learner.best_exclude_sources),
             "versions": sorted(versions), "seconds": time.time() - t0}
 
 

@@ -14,6 +14,11 @@ goes through it about twice within the budget, as the paper's runs go through th
 prunes the later epochs). The arm "no_replay" (ExGRPO at rho 0: its retirement, nothing replayed) beside
 "grpo" and "exgrpo" shows the replay's own share of a difference.
 
+The held-out set is the toy test set (200 questions) unless `--heldout-per-kind N` asks for N questions of
+each kind drawn apart from the training pool and the test set (the same questions for every arm and seed).
+Each evaluation records two standard errors (learner/inbox.py): over questions (the population's
+accuracy) and from the samples alone (questions fixed: the noise between two arms scored on the same set).
+
 Per arm: final accuracy and area under the curve (mean accuracy over the grid), mean and spread (std,
 min..max) over seeds; per arm but the first, its difference to the first (paired by seed); the
 learner's compute per step (update + ExGRPO's selection pass, median over steps) and its ratio to the
@@ -21,7 +26,7 @@ first arm's. Writes
 `--out/learning-<scenario>.json` and a plot `.png` (mean line and min..max band per arm).
 
     .venv/bin/python ops/bench/learning.py --scenario demo --arms grpo,exgrpo --seeds 0,1,2 \
-        [--tokens 600000] [--eval-every 150000] [--out bench_out] [extra dotted overrides...]
+        [--tokens 600000] [--eval-every 150000] [--heldout-per-kind 0] [--out bench_out] [extra dotted overrides...]
     .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json [more.json ...]
         # table and plot again; several files (same --tokens and --eval-every) are merged, the first
         # file's first arm the baseline
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -77,6 +83,8 @@ REGIME_EPOCHS = 2
 # GRPO's fresh completion tokens per question on the toy task (8 samples of about 36 tokens): issue 35's
 # trial put 1,400 questions at about 2 epochs in 800k tokens
 REGIME_TOKENS_PER_QUESTION = 286
+# the larger held-out set's questions (--heldout-per-kind): one draw, the same for every arm and seed
+HELDOUT_SEED = 35
 
 
 def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
@@ -93,6 +101,37 @@ def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
     pool = out / f"regime-pool-{n}.jsonl"
     pool.write_text("".join(rows[:n]))
     return pool
+
+
+def heldout_file(per_kind: int, train_files: list[str], extra: list[str], out: Path) -> Path:
+    """A held-out set of `per_kind` toy questions of each test kind, disjoint from the training pool
+    (`train_files`, or the toy pool) and from the toy test set, fixed for every arm and seed (so arms
+    and seeds are scored on the same questions). Raises if a kind has too few questions left (mul21 has
+    720 in all: the default pool covers nearly all of them, a regime pool a third)."""
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.toy import TEST_KINDS, make_question
+
+    cfg = resolve_toy(load_config(None, extra))
+    seen = {json.loads(x)["problem"] for f in [*(train_files or cfg.data.train_files), cfg.data.eval_file]
+            for x in Path(f).read_text().splitlines() if x.strip()}
+    rng, rows = random.Random(HELDOUT_SEED), []
+    for kind in TEST_KINDS:
+        n = 0
+        for _ in range(200 * per_kind):
+            q, _, ans = make_question(kind, rng)
+            if q not in seen:
+                seen.add(q)
+                rows.append({"problem": q, "answer": str(ans), "kind": kind})
+                n += 1
+                if n == per_kind:
+                    break
+        if n < per_kind:
+            raise ValueError(f"--heldout-per-kind {per_kind}: only {n} {kind} questions are outside the training "
+                             f"pool and the toy test set")
+    path = out / f"heldout-{per_kind}x{len(TEST_KINDS)}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
@@ -118,6 +157,8 @@ def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: 
             "points": points, "step_seconds_median": statistics.median(r["train_seconds"] + (r.get("selection_seconds") or 0.0)
                                                  for r in steps),
             "reward_last10": statistics.mean(r["reward_mean"] for r in tail),
+            "eval_questions": summary["after"].get("questions"), "eval_se_final": summary["after"].get("accuracy_se"),
+            "eval_sampling_se_final": summary["after"].get("accuracy_sampling_se"),
             "experience_questions_total": sum(r.get("experience_questions", 0) for r in steps),
             "mixed_from_step": next((r["step"] for r in steps if r.get("exgrpo_mixed")), None),
             "retired_total": steps[-1].get("retired_total"), "replay_top10_share": steps[-1].get("replay_top10_share")}
@@ -179,6 +220,9 @@ def analyse(runs: list[dict], tokens: int, every: int) -> dict:
             "start_sampled": spread([c[0] for c in curves["sampled"]]),
             "step_seconds_median": statistics.median(r["step_seconds_median"] for r in mine),
             "steps": spread([r["steps"] for r in mine]),
+            "wall_s": spread([r["wall_s"] for r in mine]),
+            **{k: spread(v) if (v := [r[k] for r in mine if r.get(k) is not None]) else None
+               for k in ("eval_se_final", "eval_sampling_se_final")},
             "experience_questions_total": spread([r["experience_questions_total"] for r in mine]),
             "replay_health": [h for r in mine if (h := replay_health(r["run_dir"])) is not None],
         }
@@ -214,12 +258,15 @@ def table(res: dict) -> str:
     f = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}" if s else "-"  # noqa: E731
     arms = list(res["arms"])
     lines = ["| arm | seeds | final sampled | final greedy | AUC sampled | " + f"minus {arms[0]}: final sampled | "
-             f"minus {arms[0]}: AUC sampled | learner s/step (ratio) |", "|" + "---|" * 8]
+             f"minus {arms[0]}: AUC sampled | learner s/step (ratio) | steps | wall s | one eval's SE: over questions / sampling |", "|" + "---|" * 11]
     for arm, a in res["arms"].items():
+        se = " / ".join(f"{a[k]['mean']:.3f}" if a.get(k) else "-"  # older JSONs lack them
+                        for k in ("eval_se_final", "eval_sampling_se_final"))
+        wall = f"{a['wall_s']['mean']:.0f}" if a.get("wall_s") else "-"
         lines.append(f"| {arm} | {len(a['seeds'])} | {f(a['final_sampled'])} | {f(a['final_greedy'])} | "
                      f"{f(a['auc_sampled'])} | {f(a.get(f'minus_{arms[0]}_final_sampled'))} | "
                      f"{f(a.get(f'minus_{arms[0]}_auc_sampled'))} | {a['step_seconds_median']:.2f} "
-                     f"({a.get('step_time_ratio', 1.0):.2f}x) |")
+                     f"({a.get('step_time_ratio', 1.0):.2f}x) | {a['steps']['mean']:.0f} | {wall} | {se} |")
     return "\n".join(lines)
 
 
@@ -244,6 +291,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=600_000)
     ap.add_argument("--eval-every", type=int, default=150_000)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--heldout-per-kind", type=int, default=0,
+                    help="score a held-out set of this many questions per kind, disjoint from the training pool "
+                         "(default 0: the toy test set, 40 per kind)")
     ap.add_argument("--name", help="output file stem (default learning-<scenario>)")
     ap.add_argument("--report", nargs="+", help="re-print the table and plot of finished JSONs (merged)")
     args, extra = ap.parse_known_args()
@@ -264,8 +314,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'learning-' + args.scenario}.json"
+    pool: list[str] = []
     if args.scenario == "regime":  # its pool, written once for every arm and seed (and recorded in the JSON)
-        extra = [f"data.train_files=[\"{regime_pool(args.tokens, out, extra)}\"]", *extra]
+        pool = [str(regime_pool(args.tokens, out, extra))]
+        extra = [f"data.train_files=[\"{pool[0]}\"]", *extra]
+    if args.heldout_per_kind:
+        extra = [f"data.eval_file={heldout_file(args.heldout_per_kind, pool, extra, out)}", *extra]
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a partial result is paired
         for arm in arms:

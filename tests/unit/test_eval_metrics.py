@@ -4,6 +4,7 @@ file, and scoring through the real math-verify pool behind a stub engine."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,30 @@ def test_best_weights_score_is_the_mean_over_sources_minerva_left_out():
     assert source_score(by_source, ["minerva"]) == pytest.approx((0.1 + 0.7 + 0.4) / 3)
     assert source_score(by_source, []) == pytest.approx(1.2 / 4)
     assert source_score({"minerva": 0.3}, ["minerva"]) is None
+
+
+def test_held_out_standard_error_counts_the_spread_over_questions():
+    from learner.inbox import standard_error
+
+    # four questions: two always right, two always wrong: sd 0.577 over sqrt(4)
+    assert standard_error([1.0, 1.0, 0.0, 0.0]) == pytest.approx(math.sqrt(1 / 3) / 2)
+    # the same mean with every question half right has no spread between questions
+    assert standard_error([0.5, 0.5, 0.5, 0.5]) == 0.0
+    # four times the questions halve it
+    assert standard_error([1.0, 0.0] * 8) == pytest.approx(math.sqrt(4 / 15) / 4)
+    assert standard_error([0.7]) == 0.0
+
+
+def test_held_out_sampling_error_holds_the_questions_fixed():
+    from learner.inbox import sampling_error
+
+    # always right or always wrong: the samples add no noise, however far apart the questions are
+    assert sampling_error([[1.0, 1.0], [0.0, 0.0]]) == 0.0
+    # one question right in 2 of 4: p(1-p)/(k-1) = 0.25/3; two such questions: sqrt(2 * 0.25/3) / 2
+    assert sampling_error([[1.0, 0.0, 1.0, 0.0]]) == pytest.approx(math.sqrt(0.25 / 3))
+    assert sampling_error([[1.0, 0.0, 1.0, 0.0]] * 2) == pytest.approx(math.sqrt(2 * 0.25 / 3) / 2)
+    # the unbiased estimate: the mean over many draws of the estimated variance is the true one
+    rng = np.random.default_rng(0)
+    draws = [sampling_error([list(rng.random(8) < 0.3)]) ** 2 for _ in range(4000)]
+    assert np.mean(draws) == pytest.approx(0.3 * 0.7 / 8, rel=0.05)
+    assert sampling_error([]) == 0.0 and sampling_error([[1.0]]) == 0.0
