@@ -103,19 +103,13 @@ def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
     return pool
 
 
-def heldout_file(per_kind: int, train_files: list[str], extra: list[str], out: Path) -> Path:
-    """A held-out set of `per_kind` toy questions of each test kind, disjoint from the training pool
-    (`train_files`, or the toy pool) and from the toy test set, fixed for every arm and seed (so arms
-    and seeds are scored on the same questions). Raises if a kind has too few questions left (mul21 has
-    720 in all: the default pool covers nearly all of them, a regime pool a third)."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+def draw_heldout(per_kind: int, exclude: set[str]) -> list[dict]:
+    """`per_kind` distinct toy questions of each test kind, none in `exclude`, drawn from HELDOUT_SEED
+    (the same draw every time). Raises if a kind has too few left: mul21 has 720 questions in all, and
+    the default pool covers nearly all of them, a regime pool about a third."""
     from exgrpo_async.toy import TEST_KINDS, make_question
 
-    cfg = resolve_toy(load_config(None, extra))
-    seen = {json.loads(x)["problem"] for f in [*(train_files or cfg.data.train_files), cfg.data.eval_file]
-            for x in Path(f).read_text().splitlines() if x.strip()}
-    rng, rows = random.Random(HELDOUT_SEED), []
+    rng, rows, seen = random.Random(HELDOUT_SEED), [], set(exclude)
     for kind in TEST_KINDS:
         n = 0
         for _ in range(200 * per_kind):
@@ -129,7 +123,20 @@ def heldout_file(per_kind: int, train_files: list[str], extra: list[str], out: P
         if n < per_kind:
             raise ValueError(f"--heldout-per-kind {per_kind}: only {n} {kind} questions are outside the training "
                              f"pool and the toy test set")
-    path = out / f"heldout-{per_kind}x{len(TEST_KINDS)}.jsonl"
+    return rows
+
+
+def heldout_file(per_kind: int, train_files: list[str], extra: list[str], out: Path) -> Path:
+    """The held-out set of `draw_heldout`, apart from the training pool (`train_files`, or the toy pool)
+    and the toy test set, as JSONL in `out`: one set for every arm and seed."""
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+
+    cfg = resolve_toy(load_config(None, extra))
+    exclude = {json.loads(x)["problem"] for f in [*(train_files or cfg.data.train_files), cfg.data.eval_file]
+               for x in Path(f).read_text().splitlines() if x.strip()}
+    rows = draw_heldout(per_kind, exclude)
+    path = out / f"heldout-{per_kind}x{len(rows) // per_kind}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

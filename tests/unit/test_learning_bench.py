@@ -1,0 +1,30 @@
+"""ops/bench/learning.py's pure parts: the larger held-out set's draw."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
+import learning  # noqa: E402
+
+from exgrpo_async.toy import TEST_KINDS  # noqa: E402
+
+
+def test_heldout_draw_is_fixed_distinct_and_apart_from_the_pool():
+    first = learning.draw_heldout(30, set())
+    exclude = {r["problem"] for r in first[::2]}  # every other question, as if in a training pool
+    second = learning.draw_heldout(30, exclude)
+    assert [r["kind"] for r in second] == [k for k in TEST_KINDS for _ in range(30)]
+    problems = [r["problem"] for r in second]
+    assert len(set(problems)) == len(problems) and not exclude & set(problems)
+    assert learning.draw_heldout(30, exclude) == second  # the same draw every time
+    assert all(eval(r["problem"].rstrip("=")) == int(r["answer"]) for r in second)
+
+
+def test_heldout_draw_refuses_a_kind_it_cannot_fill():
+    # mul21 has 90 x 8 = 720 questions: asking for more cannot be met apart from nothing
+    with pytest.raises(ValueError, match="only 720 mul21"):
+        learning.draw_heldout(721, set())
