@@ -254,7 +254,9 @@ class LearnerServer:
         elif info is None:
             if kind == "bye":  # the goodbye of a socket we already forgot (presumed dead, then rejoined)
                 return
-            if kind in ("work", "sync"):  # presumed dead, or from before a learner restart: start over
+            # presumed dead, or from before a learner restart: every request is answered, so start over
+            # (a "group" left unanswered kept a woken actor waiting out its whole request timeout)
+            if kind in ("work", "sync", "group"):
                 self.counters["rejoin_requests"] += 1
                 self.sock.send(peer, encode_control("rejoin"))
                 return

@@ -90,7 +90,7 @@ class Model:
         if kind in ("hello", "alive"):
             return kind
         if not self.registered[sender]:
-            return {"bye": "ignored", "work": "rejoin", "sync": "rejoin"}.get(kind, "bad")
+            return {"bye": "ignored", "work": "rejoin", "sync": "rejoin", "group": "rejoin"}.get(kind, "bad")
         if kind == "work":
             return "work" if _work_ok(head) else "bad"
         if kind == "rollouts":
