@@ -115,6 +115,7 @@ class LearnerMetrics:
                                        registry=r)
         Gauge("exgrpo_learner_max_staleness", "eta: learner.max_staleness.", registry=r).set(max_staleness)
         self.buckets = self.batch_buckets = None
+        self._shown: dict[str, set[str]] = {"buffer": set(), "batch": set()}  # bucket labels each gauge has shown
         if exgrpo:
             self.buckets = Gauge("exgrpo_buffer_bucket_questions", "Eligible questions per success-count bucket.",
                                  ["bucket"], registry=r)
@@ -163,15 +164,22 @@ class LearnerMetrics:
                 self.staleness.observe(int(lag))
         if self.buckets is None:
             return
-        for k, n in (row.get("buckets") or {}).items():
-            self.buckets.labels(bucket=str(k)).set(n)
+        _set_by_bucket(self.buckets, self._shown["buffer"], row.get("buckets") or {})
         if "experience_by_bucket" in row:
-            self.batch_buckets.clear()
-            for k, n in (row["experience_by_bucket"] or {}).items():
-                self.batch_buckets.labels(bucket=str(k)).set(n)
+            _set_by_bucket(self.batch_buckets, self._shown["batch"], row["experience_by_bucket"] or {})
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _set_by_bucket(gauge: Gauge, shown: set[str], counts: dict) -> None:
+    """Set a per-bucket gauge to `counts`, and to 0 every bucket in `shown` (those it showed before, kept
+    up to date here) that `counts` lacks: an emptied bucket reads 0, not its last count, and a series that
+    came and went with each batch no longer flickers on the dashboard or falls between two scrapes."""
+    counts = {str(k): n for k, n in counts.items()}
+    shown |= set(counts)
+    for bucket in shown:
+        gauge.labels(bucket=bucket).set(counts.get(bucket, 0))
 
 
 class TargetsFile:

@@ -65,8 +65,8 @@ def test_step_rows_become_prometheus_series():
     assert got[("exgrpo_learner_max_staleness", ())] == 2
     assert got[("exgrpo_learner_experience_mixed", ())] == 1
     assert got[("exgrpo_buffer_bucket_questions", (("bucket", "1"),))] == 5
-    assert got[("exgrpo_buffer_bucket_questions", (("bucket", "4"),))] == 9
-    assert ("exgrpo_learner_experience_bucket_questions", (("bucket", "4"),)) not in got  # latest batch only
+    assert got[("exgrpo_buffer_bucket_questions", (("bucket", "4"),))] == 0  # emptied: 0, not its last count
+    assert got[("exgrpo_learner_experience_bucket_questions", (("bucket", "4"),))] == 0  # latest batch only
     assert got[("exgrpo_learner_replay_weight_max", ())] == 1.7
     # histograms: 6 groups with lags 0,0,0,2,1,1; steps of 0.3 s and 40 s; one sync of 20 ms
     assert got[("exgrpo_learner_staleness_count", ())] == 6 and got[("exgrpo_learner_staleness_sum", ())] == 4
