@@ -44,8 +44,8 @@ def pytest_collection_finish(session) -> None:
     code = ("import sys; from exgrpo_async.config import load_config; from exgrpo_async.launch import resolve_toy; "
             "resolve_toy(load_config(None, sys.argv[1:]))")  # the same call as `train`'s
     # the build's 2 OpenMP threads share the cores with the tests: spinning at each barrier while the
-    # other thread waits for a core made it 2.4x slower under load (120 SFT steps: 143 s, 59 s passive;
-    # the same loss either way), docs/benchmarks.md, the suite's ninth pass
+    # other thread waits for a core made it 1.8x slower beside two busy processes (120 SFT steps: 102 s,
+    # 57 s passive; the same loss either way), ops/bench/omp_wait.py, docs/benchmarks.md's ninth pass
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     with open(log, "w") as out:
         _build.update(proc=subprocess.Popen([sys.executable, "-c", code, *TOY], stdout=out, stderr=subprocess.STDOUT,
