@@ -119,9 +119,14 @@ def standard_error(per_question: list[float]) -> float:
 
 def sampling_error(per_question: list[list[float]]) -> float:
     """The standard error from the samples alone, the questions held fixed: what separates two policies
-    scored on the same questions. Each question's mean of k 0/1 rewards varies by p(1-p)/k, estimated
-    without bias by p^(1-p^)/(k-1); questions with one sample add nothing (0.0 if none has two)."""
-    var = sum((m := sum(r) / len(r)) * (1 - m) / (len(r) - 1) for r in per_question if len(r) > 1)
+    scored on the same questions. Each question's mean of k rewards varies by its rewards' variance over
+    k, estimated without bias by the sample variance (divided by k - 1) over k: p^(1-p^)/(k-1) for 0/1
+    rewards. Questions with one sample add nothing (0.0 if none has two)."""
+    var = 0.0
+    for r in per_question:
+        if len(r) > 1:
+            m = sum(r) / len(r)
+            var += sum((x - m) ** 2 for x in r) / (len(r) - 1) / len(r)
     return math.sqrt(var) / len(per_question) if per_question else 0.0
 
 

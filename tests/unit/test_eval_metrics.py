@@ -186,3 +186,10 @@ def test_held_out_sampling_error_holds_the_questions_fixed():
     draws = [sampling_error([list(rng.random(8) < 0.3)]) ** 2 for _ in range(4000)]
     assert np.mean(draws) == pytest.approx(0.3 * 0.7 / 8, rel=0.05)
     assert sampling_error([]) == 0.0 and sampling_error([[1.0]]) == 0.0
+
+
+def test_held_out_sampling_error_takes_rewards_that_are_not_0_or_1():
+    from learner.inbox import sampling_error
+
+    # rewards 0.2 and 0.6 (a custom reward function): sample variance 0.08, over k = 2, one question
+    assert sampling_error([[0.2, 0.6]]) == pytest.approx(math.sqrt(0.08 / 2))
