@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import statistics
 import time
 from collections.abc import Callable
 
@@ -110,23 +111,15 @@ def standard_error(per_question: list[float]) -> float:
     """One evaluation's standard error: the spread of the per-question accuracies (each the mean of that
     question's samples) over the square root of their number, so both sources of noise count, which
     questions are in the set and how each one's samples fell. 0.0 with fewer than two questions."""
-    n = len(per_question)
-    if n < 2:
-        return 0.0
-    mean = sum(per_question) / n
-    return math.sqrt(sum((x - mean) ** 2 for x in per_question) / (n - 1) / n)
+    return statistics.stdev(per_question) / math.sqrt(len(per_question)) if len(per_question) > 1 else 0.0
 
 
 def sampling_error(per_question: list[list[float]]) -> float:
     """The standard error from the samples alone, the questions held fixed: what separates two policies
     scored on the same questions. Each question's mean of k rewards varies by its rewards' variance over
-    k, estimated without bias by the sample variance (divided by k - 1) over k: p^(1-p^)/(k-1) for 0/1
-    rewards. Questions with one sample add nothing (0.0 if none has two)."""
-    var = 0.0
-    for r in per_question:
-        if len(r) > 1:
-            m = sum(r) / len(r)
-            var += sum((x - m) ** 2 for x in r) / (len(r) - 1) / len(r)
+    k, estimated without bias by the sample variance over k: p^(1-p^)/(k-1) for 0/1 rewards. Questions
+    with one sample add nothing (0.0 if none has two)."""
+    var = sum(statistics.variance(r) / len(r) for r in per_question if len(r) > 1)
     return math.sqrt(var) / len(per_question) if per_question else 0.0
 
 
@@ -143,7 +136,7 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
         inbox.pump(0.5)
     sampled = [r for it, g in inbox.eval if it.temperature > 0 for r in g.rewards]
     greedy = [r for it, g in inbox.eval if it.temperature == 0 for r in g.rewards]
-    per_question = [list(g.rewards) for it, g in inbox.eval if it.temperature > 0 and g.rewards]
+    per_question = [[float(r) for r in g.rewards] for it, g in inbox.eval if it.temperature > 0 and g.rewards]
     per_source: dict[str, list[float]] = {}
     for it, g in inbox.eval:
         if it.temperature > 0:

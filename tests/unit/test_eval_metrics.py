@@ -183,7 +183,7 @@ def test_held_out_sampling_error_holds_the_questions_fixed():
     assert sampling_error([[1.0, 0.0, 1.0, 0.0]] * 2) == pytest.approx(math.sqrt(2 * 0.25 / 3) / 2)
     # the unbiased estimate: the mean over many draws of the estimated variance is the true one
     rng = np.random.default_rng(0)
-    draws = [sampling_error([list(rng.random(8) < 0.3)]) ** 2 for _ in range(4000)]
+    draws = [sampling_error([(rng.random(8) < 0.3).astype(float).tolist()]) ** 2 for _ in range(4000)]
     assert np.mean(draws) == pytest.approx(0.3 * 0.7 / 8, rel=0.05)
     assert sampling_error([]) == 0.0 and sampling_error([[1.0]]) == 0.0
 
