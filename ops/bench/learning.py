@@ -126,14 +126,15 @@ def draw_heldout(per_kind: int, exclude: set[str]) -> list[dict]:
     return rows
 
 
-def heldout_file(per_kind: int, train_files: list[str], extra: list[str], out: Path) -> Path:
-    """The held-out set of `draw_heldout`, apart from the training pool (`train_files`, or the toy pool)
-    and the toy test set, as JSONL in `out`: one set for every arm and seed."""
+def heldout_file(per_kind: int, extra: list[str], out: Path) -> Path:
+    """The held-out set of `draw_heldout`, apart from the training pool the runs use (`extra`'s
+    data.train_files, or the toy pool) and the toy test set, as JSONL in `out`: one set for every arm
+    and seed."""
     from exgrpo_async.config import load_config
     from exgrpo_async.launch import resolve_toy
 
     cfg = resolve_toy(load_config(None, extra))
-    exclude = {json.loads(x)["problem"] for f in [*(train_files or cfg.data.train_files), cfg.data.eval_file]
+    exclude = {json.loads(x)["problem"] for f in [*cfg.data.train_files, cfg.data.eval_file]
                for x in Path(f).read_text().splitlines() if x.strip()}
     rows = draw_heldout(per_kind, exclude)
     path = out / f"heldout-{per_kind}x{len(rows) // per_kind}.jsonl"
@@ -164,7 +165,7 @@ def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: 
             "points": points, "step_seconds_median": statistics.median(r["train_seconds"] + (r.get("selection_seconds") or 0.0)
                                                  for r in steps),
             "reward_last10": statistics.mean(r["reward_mean"] for r in tail),
-            "eval_questions": summary["after"].get("questions"), "eval_se_final": summary["after"].get("accuracy_se"),
+            "eval_se_final": summary["after"].get("accuracy_se"),
             "eval_sampling_se_final": summary["after"].get("accuracy_sampling_se"),
             "experience_questions_total": sum(r.get("experience_questions", 0) for r in steps),
             "mixed_from_step": next((r["step"] for r in steps if r.get("exgrpo_mixed")), None),
@@ -321,12 +322,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'learning-' + args.scenario}.json"
-    pool: list[str] = []
     if args.scenario == "regime":  # its pool, written once for every arm and seed (and recorded in the JSON)
-        pool = [str(regime_pool(args.tokens, out, extra))]
-        extra = [f"data.train_files=[\"{pool[0]}\"]", *extra]
-    if args.heldout_per_kind:
-        extra = [f"data.eval_file={heldout_file(args.heldout_per_kind, pool, extra, out)}", *extra]
+        extra = [f"data.train_files=[\"{regime_pool(args.tokens, out, extra)}\"]", *extra]
+    if args.heldout_per_kind:  # apart from that pool (or the toy pool)
+        extra = [f"data.eval_file={heldout_file(args.heldout_per_kind, extra, out)}", *extra]
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a partial result is paired
         for arm in arms:
