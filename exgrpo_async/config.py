@@ -248,6 +248,14 @@ class LearnerConfig(_Strict):
     "varlen": PyTorch's variable-length flash attention, causal within each sequence (CUDA, bf16);
     "per_sequence": one causal SDPA call per sequence (any device and dtype). "auto": "varlen" on a
     CUDA learner computing in bf16, else "sdpa". A start-up check proves the choice keeps sequences apart."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Compile the learner's model in regions with `torch.compile` (learner/compiled.py): each decoder
+    layer's body, its attention kernel excluded, and the output head's log-prob and entropy, fusing the
+    memory-bound work between the matrix multiplies (the 1.5B step without checkpointing on an H200: 1.88 s
+    compiled, 2.80 s eager; docs/benchmarks.md, "Compiled regions"). The first
+    step pays the compile (tens of seconds on a GPU). Not with `gradient_checkpointing` ("on" is refused
+    there: a recompute may run another graph than its forward). "auto": on for a CUDA learner without
+    gradient checkpointing, else off."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(200, gt=0)
@@ -577,6 +585,9 @@ class RunConfig(_Strict):
             raise ValueError("data.train_files is empty: give at least one training file (or use model.path='toy')")
         if self.learner.questions_per_step % self.learner.minibatches_per_step:
             raise ValueError("learner.questions_per_step must be divisible by learner.minibatches_per_step")
+        if self.learner.compile == "on" and self.learner.gradient_checkpointing:
+            raise ValueError("learner.compile='on' needs learner.gradient_checkpointing=false: a checkpointed layer's "
+                             "recompute may run another compiled graph than its forward (learner/compiled.py)")
         return self
 
 

@@ -23,7 +23,7 @@ segments) is one causal sequence: its padding comes after every real token, so n
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +32,32 @@ BACKENDS = ("auto", "sdpa", "varlen", "per_sequence")
 _REGISTERED = {"varlen": "exgrpo_varlen", "per_sequence": "exgrpo_per_sequence"}
 
 
-@dataclass(frozen=True)
-class Segments:
+class Segments(NamedTuple):
     """The sequences of a (R, W) packed layout, flattened to R x W tokens: cumulative boundaries on the
-    compute device (int32, for the kernel) and on the host (for loops), and the longest segment."""
+    compute device (int32, for the kernel) and on the host (for loops), and the longest segment (host).
+
+    Tensors only: a compiled decoder layer (learner/compiled.py) passes this through to the kernels here,
+    and the compiler guards on what it holds; a Python tuple or int would be guarded by value (torch 2.11
+    recompiled on every new number of sequences, measured on an H200), a tensor only by its dtype and
+    (dynamic) shape. Read `bounds` and `max_len` inside the kernels, never in compiled code."""
 
     cu_seqlens: torch.Tensor
-    bounds: tuple[int, ...]
-    max_len: int
+    host: torch.Tensor
+    longest: torch.Tensor
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return tuple(self.host.tolist())
+
+    @property
+    def max_len(self) -> int:
+        return int(self.longest)
+
+
+def _segments(bounds: list[int], device: torch.device) -> Segments:
+    host = torch.tensor(bounds, dtype=torch.int32)
+    longest = (host[1:] - host[:-1]).max()
+    return Segments(host.to(device, non_blocking=True), host, longest)
 
 
 def segments_from_positions(position_ids: torch.Tensor, device: torch.device) -> Segments:
@@ -49,10 +67,7 @@ def segments_from_positions(position_ids: torch.Tensor, device: torch.device) ->
     starts = torch.nonzero(flat == 0).flatten().tolist()
     if not starts or starts[0] != 0:
         raise ValueError("packed position ids must start every row with 0")
-    bounds = tuple(starts) + (flat.numel(),)
-    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
-    cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
-    return Segments(cu, bounds, max_len)
+    return _segments(starts + [flat.numel()], device)
 
 
 def varlen_available(device: torch.device) -> bool:
@@ -144,10 +159,10 @@ def _varlen(q, k, v, cu, max_len: int, scale: float | None):
 
 def _whole_rows(query: torch.Tensor) -> Segments:
     b, _, n, _ = query.shape
-    bounds = tuple(range(0, b * n + 1, n))
-    return Segments(torch.tensor(bounds, dtype=torch.int32, device=query.device), bounds, n)
+    return _segments(list(range(0, b * n + 1, n)), query.device)
 
 
+@torch.compiler.disable  # learner/compiled.py: the segments must not become guards of a compiled layer
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                      packed_segments: Segments | None = None, **_):
     """transformers attention function: causal flash attention within each segment (see the module doc)."""
@@ -160,6 +175,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.view(b, n, hq, d), None
 
 
+@torch.compiler.disable  # as varlen_attention
 def per_sequence_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                            sliding_window=None, packed_segments: Segments | None = None, **_):
     """transformers attention function: one causal SDPA call per segment (see the module doc)."""

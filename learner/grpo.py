@@ -43,9 +43,14 @@ class LogProbs(torch.nn.Module):
     its forward gathers the root's parameters (embeddings, final norm, output head, tied or not) once,
     and the decoder layers, each their own unit, gather theirs as they run."""
 
-    def __init__(self, policy: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, compiled_head: bool = False):
         super().__init__()
         self.policy = policy
+        self.head_fn = _logp_entropy
+        if compiled_head:  # learner/compiled.py
+            from learner.compiled import compiled_head as compiled
+
+            self.head_fn = compiled(_logp_entropy)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
                 with_entropy: bool = False, chunk_tokens: int | None = None,
@@ -72,7 +77,7 @@ class LogProbs(torch.nn.Module):
         for a in range(0, n * t, chunk_tokens):
             args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature,
                     with_entropy)
-            lp, en = checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args)
+            lp, en = checkpoint(self.head_fn, *args, use_reentrant=False) if grad else self.head_fn(*args)
             logps.append(lp)
             ents.append(en)
         # fresh tensors, not views of the concatenation (FSDP2 hooks a module's outputs for its backward)

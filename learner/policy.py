@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
-from learner import attention
+from learner import attention, compiled
 from learner.grpo import LogProbs
 from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
 from learner.packing import micro_batches
@@ -43,7 +43,7 @@ from learner.update import Seq, StepSettings, UpdateResult, update_policy
 log = logging.getLogger("exgrpo_async.learner")
 
 
-def shard(model: torch.nn.Module, mixed_precision: str) -> LogProbs:
+def shard(model: torch.nn.Module, mixed_precision: str, compiled_head: bool = False) -> LogProbs:
     """FSDP2 over the default process group: each decoder layer a unit, the `LogProbs` root the last.
 
     With bf16 the ranks compute as one rank does under autocast (learner/grpo.py), so 1 and N ranks
@@ -66,7 +66,7 @@ def shard(model: torch.nn.Module, mixed_precision: str) -> LogProbs:
             for norm in [m for m in layer.modules() if _is_norm(m)]:
                 fully_shard(norm, mp_policy=fp32)
         fully_shard(layer, mp_policy=mp)
-    root = fully_shard(LogProbs(model), mp_policy=fp32)
+    root = fully_shard(LogProbs(model, compiled_head), mp_policy=fp32)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss is on the global scale
@@ -107,7 +107,11 @@ class Policy:
         attention.use(self.model, self.attention)
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.forward = shard(self.model, L.mixed_precision) if ranks.world > 1 else LogProbs(self.model)
+        self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing)
+        if self.compiled:
+            compiled.compile_layers(self.model)
+        self.forward = (shard(self.model, L.mixed_precision, self.compiled) if ranks.world > 1
+                        else LogProbs(self.model, self.compiled))
         if ranks.world > 1:
             receive_weights(self.model, cfg.model.path, ranks, device)
         # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
@@ -115,7 +119,7 @@ class Policy:
                                      fused=device.type == "cuda")
         self.pad_id = self.tokenizer.pad_token_id or 0
         attention.check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)
-        log.info("learner attention: %s", self.attention)
+        log.info("learner attention: %s; compiled regions: %s", self.attention, "on" if self.compiled else "off")
 
     # ------------------------------------------------------------------ the collective operations
     def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:

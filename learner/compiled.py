@@ -1,0 +1,63 @@
+"""Compiled regions of the learner's model (`learner.compile`): each decoder layer's body and the output head.
+
+On a GPU the learner's step is mostly memory-bound small kernels, not matrix multiplies (docs/benchmarks.md,
+"GPU check": casts, the fp32 residual adds, RMSNorm's upcasts, SiLU, rotary, the head's fp32 logits and
+their softmax for log-probs and entropy). `torch.compile` fuses those into few kernels:
+- each decoder layer's `forward` is compiled in place (parameter names, FSDP2's hooks and gradient
+  checkpointing's wrapper stay as they are and run eagerly around it; all layers share one graph, with
+  dynamic shapes, so a new row width or sequence count compiles nothing);
+- the attention kernels of learner/attention.py are excluded from the graph (`torch.compiler.disable`):
+  the packed segments reach them unseen by the compiler, so new segment boundaries do not recompile;
+- the head's per-chunk log-prob and entropy (learner/grpo.py `_logp_entropy`) is compiled once.
+"auto" compiles on a CUDA learner without gradient checkpointing; on CPU it is off (minutes of compiling
+for the toy's seconds of work).
+
+Not with gradient checkpointing: a checkpointed layer's recompute must run the graph its forward ran,
+and the compiler picks a graph per call from a cache (the newest whose guards hold). On an H200 with torch
+2.11 a recompute ran another graph than its forward and `torch.utils.checkpoint` stopped the step
+(CheckpointError: the recomputed saved tensors differed; docs/benchmarks.md, "Compiled regions"). So
+"on" with `learner.gradient_checkpointing` is refused and "auto" leaves such a learner eager.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SETTINGS = ("auto", "on", "off")
+
+
+RECOMPILE_LIMIT = 16  # graphs per compiled function: grad and no-grad passes, inputs with and without
+# gradients, shape ranges; past the limit a call runs eagerly, at eager memory (87 GB against 64 GB for the
+# 1.5B step without checkpointing on an H200)
+
+
+def resolve(setting: str, device: torch.device, checkpointing: bool) -> bool:
+    """Whether `learner.compile` means compiling on this device, with or without gradient checkpointing."""
+    if setting not in SETTINGS:
+        raise ValueError(f"learner.compile={setting!r}: expected one of {SETTINGS}")
+    if setting == "on" and checkpointing:
+        raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true: a checkpointed layer's "
+                         "recompute may run another compiled graph than its forward (learner/compiled.py); set "
+                         "learner.gradient_checkpointing=false where the memory allows, or learner.compile='auto'")
+    return setting == "on" or (setting == "auto" and device.type == "cuda" and not checkpointing)
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile the `forward` of each decoder layer of `model` (a transformers causal LM) in place; returns
+    how many. Call before the first forward; idempotent."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers: learner.compile has no regions to compile")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    for layer in layers:
+        if "forward" not in vars(layer):  # the class's forward, bound to this layer, compiled
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+    return len(layers)
+
+
+@functools.cache
+def compiled_head(fn):
+    """`fn` (the head's per-chunk log-prob and entropy) compiled, once per process."""
+    return torch.compile(fn, dynamic=True)
