@@ -14,10 +14,12 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
  6. head       the output head over 16k positions at chunk sizes 512-4096: ms and peak memory
  7. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
-               do), sdpa against varlen attention, foreach against fused AdamW: tokens/s, phase times,
-               peak memory against learner/memory_model.py, MFU counted two ways
- 8. profile    the 1.5B step's GPU time by kernel category; the step with the head at 512-position chunks
-               and without gradient checkpointing
+               do), sdpa against varlen attention, foreach against fused AdamW, eager against compiled
+               regions (learner/compiled.py, without gradient checkpointing): tokens/s, phase times, peak memory against
+               learner/memory_model.py, MFU counted two ways, the compiled variants' warm-up (compile) time
+ 8. profile    the 1.5B step's GPU time by kernel category, eager and compiled; the step with the head at
+               512-position chunks, eager and compiled without gradient checkpointing, and a probe of
+               compiled with checkpointing (which learner.compile refuses: its error, if any)
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
 10. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on
@@ -59,12 +61,16 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/gpu_check", help="folder for gpu_check.json")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in this file's order")
     ap.add_argument("--steps", type=int, default=2, help="timed learner steps per variant (after one warm-up)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated step_1.5b variants to run (names as in the JSON); default all")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_check.json"
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "sections": {}}
-    ctx = sec.Context(a.device, a.tiny, a.steps)
+    ctx = sec.Context(a.device, a.tiny, a.steps, a.variants.split(",") if a.variants else None)
+    ctx.on_partial = lambda name, figures: path.write_text(json.dumps(
+        dict(results, sections={**results["sections"], name: dict(figures, partial=True)}), indent=1, default=str))
     wanted = [s for s in SECTIONS if s in a.only.split(",")]
     for name in wanted:
         t0 = time.perf_counter()

@@ -26,11 +26,12 @@ TINY_7B = Shape("tiny (7B stand-in)", 96, 192, 3, 4, 2, 640, False)
 
 
 class Context:
-    def __init__(self, device: str, tiny: bool, steps: int):
+    def __init__(self, device: str, tiny: bool, steps: int, variants: list[str] | None = None):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.tiny, self.steps = tiny, steps
+        self.tiny, self.steps, self.variants = tiny, steps, variants
         self.keep: dict = {}
+        self.on_partial = None  # gpu_check.py: writes a section's figures so far
         if self.cuda:
             torch.cuda.set_device(self.device)
 
@@ -44,6 +45,11 @@ class Context:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + random.Random().randrange(500)))
             dist.init_process_group("nccl" if self.cuda else "gloo", rank=0, world_size=1)
+
+    def partial(self, section: str, figures: dict) -> None:
+        """A long section's figures so far, written out before it goes on."""
+        if self.on_partial is not None:
+            self.on_partial(section, figures)
 
     def sync(self) -> None:
         if self.cuda:
@@ -366,7 +372,8 @@ def _row_widths(batch: list, cfg, budget: int) -> list[int]:
 
 def step_15b(ctx: Context) -> dict:
     """`update_policy` at the 1.5B shape as configs/qwen2.5-math-1.5b-8gpu.toml trains it (packed 16k
-    rows, 2 mini-batches, gradient checkpointing), on each wrapper, attention backend and AdamW."""
+    rows, 2 mini-batches, gradient checkpointing), on each wrapper, attention backend and AdamW; and
+    compiled (learner/compiled.py), which runs without gradient checkpointing."""
     from learner import attention as att
     from learner.policy import shard
     from learner.grpo import LogProbs
@@ -382,21 +389,32 @@ def step_15b(ctx: Context) -> dict:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ranks = Ranks(0, 1, ctx.device)
     fast = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
-    variants = [("unsharded", "sdpa", False), ("unsharded", fast, False), ("unsharded", fast, True),
-                ("fsdp2", fast, True)]
+    variants = [("unsharded", "sdpa", False, False), ("unsharded", fast, False, False), ("unsharded", fast, True, False),
+                ("unsharded", fast, True, True), ("fsdp2", fast, True, False), ("fsdp2", fast, True, True)]
     r = {"shape": s.name, "budget": budget, "peak_bf16_flops": ctx.peak_flops,
          "memory_model_gb_world1": rank_bytes(s, budget, 1) / 1e9}
     forward = LogProbs(model)
-    for wrapper, backend, fused in variants:
+    # compiled: learner/compiled.py's regions, without gradient checkpointing (compile refuses it)
+    names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{'_compiled_no_ckpt' if v[3] else ''}"  # noqa: E731
+    variants = [v for v in variants if ctx.variants is None or names(v) in ctx.variants]
+    for wrapper, backend, fused, compile_it in variants:
         if wrapper == "fsdp2" and not hasattr(forward, "reshard"):  # the last variants: FSDP2 owns the model now
             model.zero_grad(set_to_none=True)
             forward = shard(model, "bf16")
+        _compiled(model, forward, compile_it)
+        if compile_it:
+            model.gradient_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         att.use(model, backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01,
                                 fused=fused and ctx.cuda)
         seqs = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
-        name = f"{wrapper}_{backend}_{'fused' if fused else 'foreach'}"
+        name = names((wrapper, backend, fused, compile_it))
+        t_warm = time.perf_counter()
         update_policy(forward, opt, seqs(0), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, 0, ranks)  # warm-up
+        ctx.sync()
+        t_warm = time.perf_counter() - t_warm
         base = ctx.reset_peak()
         times, tokens, flops_model, flops_hw, phases = [], 0, 0.0, 0.0, []
         for k in range(ctx.steps):
@@ -419,11 +437,33 @@ def step_15b(ctx: Context) -> dict:
                    "phases_s": {k: statistics.mean(p[k] for p in phases) for k in phases[0]},
                    "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
                    "mfu_6n_causal": flops_model / total / pf if pf else None,
-                   "mfu_as_computed": flops_hw / total / pf if pf else None}
+                   "mfu_as_computed": flops_hw / total / pf if pf else None,
+                   "warm_up_step_s": t_warm, "compiled_graphs": _graphs()}
+        ctx.partial("step_1.5b", r)  # written now: a timeout in a later (compiled, slower) variant keeps these
         del opt
         ctx.free()
+    _compiled(model, forward, False)
     ctx.keep["model_15b"] = model
     return r
+
+
+def _compiled(model, forward, on: bool) -> None:
+    """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager."""
+    from learner import compiled, grpo
+
+    if on:
+        compiled.compile_layers(model)
+        forward.head_fn = compiled.compiled_head(grpo._logp_entropy)
+    else:
+        for layer in model.model.layers:
+            vars(layer).pop("forward", None)
+        forward.head_fn = grpo._logp_entropy
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # ------------------------------------------------------------------------------------------ 7b. profile
@@ -439,8 +479,10 @@ def _category(kernel: str) -> str:
 
 def profile(ctx: Context) -> dict:
     """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
-    trains): kernel time by category over one step; then the step with the head's chunk at 512 positions
-    (the CPU default) against the device-sized one, and without gradient checkpointing."""
+    trains): kernel time by category over one step, eager and compiled; then the step with the head's
+    chunk at 512 positions (the CPU default) against the device-sized one, without gradient checkpointing
+    eager and compiled, and last a probe of what `learner.compile` refuses (compiled and checkpointed,
+    checkpoint debugging on: the step's error if it meets one)."""
     from learner import attention as att
     from learner import grpo
     from learner.grpo import LogProbs
@@ -459,14 +501,20 @@ def profile(ctx: Context) -> dict:
     step = lambda k: update_policy(forward, opt, batch(k), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k, ranks)  # noqa: E731
     r = {"head_chunk_auto": grpo.logit_chunk(s.vocab, ctx.device)}
     auto = grpo.logit_chunk
-    for name, checkpointing, chunk in (("checkpointing_chunk_auto", True, None), ("checkpointing_chunk_512", True, 512),
-                                       ("no_checkpointing_chunk_auto", False, None)):
+    for name, checkpointing, chunk, compile_it in (
+            ("checkpointing_chunk_auto", True, None, False), ("checkpointing_chunk_512", True, 512, False),
+            ("no_checkpointing_chunk_auto", False, None, False), ("compiled_no_checkpointing", False, None, True),
+            ("compiled_checkpointing_probe", True, None, True)):
+        _compiled(model, forward, compile_it)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
+        probe = name.endswith("_probe")  # what learner.compile refuses: the error it met, for a later fix
         try:
+            if probe:
+                torch.utils.checkpoint.set_checkpoint_debug_enabled(True)
             step(0)
             base = ctx.reset_peak()
             times, tokens = [], 0
@@ -482,10 +530,18 @@ def profile(ctx: Context) -> dict:
             r[name] = {"seconds_per_step": sum(times) / len(times), "tokens_per_s": tokens / sum(times),
                        "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
                        "mfu_6n_causal": flops / sum(times) / ctx.peak_flops if ctx.peak_flops else None}
-            if name == "checkpointing_chunk_auto" and ctx.cuda:
-                r["kernel_time_by_category"] = _by_category(lambda: step(99))
+            if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing") and ctx.cuda:
+                r[f"kernel_time_by_category{'_compiled' if compile_it else ''}"] = _by_category(lambda: step(99))
+            ctx.partial("profile", r)
+        except Exception as e:  # noqa: BLE001
+            if not probe:
+                raise
+            r[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
         finally:
             grpo.logit_chunk = auto
+            if probe:
+                torch.utils.checkpoint.set_checkpoint_debug_enabled(None)
+    _compiled(model, forward, False)
     return r
 
 

@@ -31,7 +31,11 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     assert res["attention"]["start_up_check_per_sequence"] == "passed"
     assert res["fingerprint"]["all_exact"] is True
     steps = {k: v for k, v in res["step_1.5b"].items() if isinstance(v, dict)}
-    assert len(steps) == 4 and all(v["tokens_per_s"] > 0 for v in steps.values())
+    assert len(steps) == 6 and all(v["tokens_per_s"] > 0 for v in steps.values())
+    compiled = [k for k in steps if k.endswith("_compiled_no_ckpt")]  # learner/compiled.py's regions, both wrappers
+    assert len(compiled) == 2 and all(steps[k]["compiled_graphs"] > 0 for k in compiled)
+    assert "tokens_per_s" in res["profile"]["compiled_no_checkpointing"] and "partial" not in res["profile"]
+    assert "compiled_checkpointing_probe" in res["profile"]
     assert res["memory_7b"]["publish_sets_after_two"] == 1  # issue 33, A1: one set on a GPU, repacked in place
     load = res["load"]  # the learner ranks' load from rank 0 gives the checkpoint exactly, ties kept
     assert (load["tensors_differing"], load["on_device"], load["tied_kept"]) == (0, True, True) and load["tensors"] > 0
