@@ -3,17 +3,19 @@
 On a GPU the learner's step is mostly memory-bound small kernels, not matrix multiplies (docs/benchmarks.md,
 "GPU check": casts, the fp32 residual adds, RMSNorm's upcasts, SiLU, rotary, the head's fp32 logits and
 their softmax for log-probs and entropy). `torch.compile` fuses those into few kernels:
-- each decoder layer's `forward` is compiled in place (parameter names, FSDP2's hooks and gradient
-  checkpointing's wrapper stay as they are and run eagerly around it; all layers share one graph, with
-  dynamic shapes, so a new row width or sequence count compiles nothing);
+- each decoder layer's `forward` is compiled in place (parameter names and FSDP2's hooks stay as they
+  are and run eagerly around it; all layers share the graphs, compiled with dynamic shapes, so new row
+  widths and sequence counts reuse them, a few shape ranges aside);
 - the attention kernels of learner/attention.py are excluded from the graph (`torch.compiler.disable`):
   the packed segments reach them unseen by the compiler, so new segment boundaries do not recompile;
-- the head's per-chunk log-prob and entropy (learner/grpo.py `_logp_entropy`) is compiled once.
+- the head's per-chunk log-prob and entropy (learner/grpo.py) is compiled with its activation checkpoint
+  inside the graph, so the recompute in its backward is part of the same compiled graph.
 "auto" compiles on a CUDA learner without gradient checkpointing; on CPU it is off (minutes of compiling
 for the toy's seconds of work).
 
-Not with gradient checkpointing: a checkpointed layer's recompute must run the graph its forward ran,
-and the compiler picks a graph per call from a cache (the newest whose guards hold). On an H200 with torch
+Not with gradient checkpointing of the layers: the layer's graph breaks at the attention kernel, so the
+checkpoint cannot go inside it as the head's does; a checkpointed layer's recompute must then run the
+graph its forward ran, and the compiler picks a graph per call from a cache (the newest whose guards hold). On an H200 with torch
 2.11 a recompute ran another graph than its forward and `torch.utils.checkpoint` stopped the step
 (CheckpointError: the recomputed saved tensors differed; docs/benchmarks.md, "Compiled regions"). So
 "on" with `learner.gradient_checkpointing` is refused and "auto" leaves such a learner eager.

@@ -46,11 +46,13 @@ class LogProbs(torch.nn.Module):
     def __init__(self, policy: torch.nn.Module, compiled_head: bool = False):
         super().__init__()
         self.policy = policy
-        self.head_fn = _logp_entropy
-        if compiled_head:  # learner/compiled.py
+        # the head over one chunk of positions: with autograd checkpointed (its fp32 logits recomputed in
+        # the backward), without autograd plain
+        self.head_grad, self.head_nograd = _checkpointed_logp_entropy, _logp_entropy
+        if compiled_head:  # learner/compiled.py: the checkpoint inside the graph, so its recompute is that graph's
             from learner.compiled import compiled_head as compiled
 
-            self.head_fn = compiled(_logp_entropy)
+            self.head_grad, self.head_nograd = compiled(_checkpointed_logp_entropy), compiled(_logp_entropy)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
                 with_entropy: bool = False, chunk_tokens: int | None = None,
@@ -77,7 +79,7 @@ class LogProbs(torch.nn.Module):
         for a in range(0, n * t, chunk_tokens):
             args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature,
                     with_entropy)
-            lp, en = checkpoint(self.head_fn, *args, use_reentrant=False) if grad else self.head_fn(*args)
+            lp, en = self.head_grad(*args) if grad else self.head_nograd(*args)
             logps.append(lp)
             ents.append(en)
         # fresh tensors, not views of the concatenation (FSDP2 hooks a module's outputs for its backward)
@@ -131,6 +133,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     else:
         logp, entropy = lp(*args)
     return (logp, entropy) if with_entropy else logp
+
+
+def _checkpointed_logp_entropy(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_logp_entropy` under activation checkpointing (non-reentrant)."""
+    return checkpoint(_logp_entropy, *args, use_reentrant=False)
 
 
 def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Tensor | None, head_bias, temperature: float,
