@@ -447,17 +447,20 @@ def step_15b(ctx: Context) -> dict:
     return r
 
 
-def _compiled(model, forward, on: bool) -> None:
-    """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager."""
+def _compiled(model, forward, on: bool | str) -> None:
+    """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager;
+    "head": the head alone (its checkpoint inside its graph), the layers eager."""
     from learner import compiled, grpo
 
     if on:
-        compiled.compile_layers(model)
-        forward.head_fn = compiled.compiled_head(grpo._logp_entropy)
+        if on != "head":
+            compiled.compile_layers(model)
+        forward.head_grad = compiled.compiled_head(grpo._checkpointed_logp_entropy)
+        forward.head_nograd = compiled.compiled_head(grpo._logp_entropy)
     else:
         for layer in model.model.layers:
             vars(layer).pop("forward", None)
-        forward.head_fn = grpo._logp_entropy
+        forward.head_grad, forward.head_nograd = grpo._checkpointed_logp_entropy, grpo._logp_entropy
 
 
 def _graphs() -> int:
@@ -481,7 +484,7 @@ def profile(ctx: Context) -> dict:
     """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
     trains): kernel time by category over one step, eager and compiled; then the step with the head's
     chunk at 512 positions (the CPU default) against the device-sized one, without gradient checkpointing
-    eager and compiled, and last a probe of what `learner.compile` refuses (compiled and checkpointed,
+    eager and compiled, the head alone compiled with checkpointing, and last a probe of what `learner.compile` refuses (compiled and checkpointed,
     checkpoint debugging on: the step's error if it meets one)."""
     from learner import attention as att
     from learner import grpo
@@ -504,7 +507,7 @@ def profile(ctx: Context) -> dict:
     for name, checkpointing, chunk, compile_it in (
             ("checkpointing_chunk_auto", True, None, False), ("checkpointing_chunk_512", True, 512, False),
             ("no_checkpointing_chunk_auto", False, None, False), ("compiled_no_checkpointing", False, None, True),
-            ("compiled_checkpointing_probe", True, None, True)):
+            ("compiled_head_checkpointing", True, None, "head"), ("compiled_checkpointing_probe", True, None, True)):
         _compiled(model, forward, compile_it)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -35,6 +35,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     compiled = [k for k in steps if k.endswith("_compiled_no_ckpt")]  # learner/compiled.py's regions, both wrappers
     assert len(compiled) == 2 and all(steps[k]["compiled_graphs"] > 0 for k in compiled)
     assert "tokens_per_s" in res["profile"]["compiled_no_checkpointing"] and "partial" not in res["profile"]
+    assert "tokens_per_s" in res["profile"]["compiled_head_checkpointing"]
     assert "compiled_checkpointing_probe" in res["profile"]
     assert res["memory_7b"]["publish_sets_after_two"] == 1  # issue 33, A1: one set on a GPU, repacked in place
     load = res["load"]  # the learner ranks' load from rank 0 gives the checkpoint exactly, ties kept
