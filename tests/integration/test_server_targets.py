@@ -89,7 +89,8 @@ def test_sd_file_follows_actor_endpoints(tmp_path):
         assert targets()[1]["targets"] == ["127.0.0.1:9101"]
         sock.send(encode_control("bye"))
         _wait_for(lambda: server.connected == 0)
-        assert targets() == [{"targets": ["127.0.0.1:9000"], "labels": {"role": "learner", "run": "run-x"}}]
+        # the server thread rewrites the file just after it forgets the actor: wait for it, not the count
+        _wait_for(lambda: targets() == [{"targets": ["127.0.0.1:9000"], "labels": {"role": "learner", "run": "run-x"}}])
         sock.close()
     finally:
         server.stop(wait_for_actors_s=0)
