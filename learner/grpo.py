@@ -24,6 +24,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from learner import compiled
 from learner.attention import Segments, segments_from_positions, wants_segments
 from learner.packing import to_device
 
@@ -50,9 +51,8 @@ class LogProbs(torch.nn.Module):
         # the backward), without autograd plain
         self.head_grad, self.head_nograd = _checkpointed_logp_entropy, _logp_entropy
         if compiled_head:  # learner/compiled.py: the checkpoint inside the graph, so its recompute is that graph's
-            from learner.compiled import compiled_head as compiled
-
-            self.head_grad, self.head_nograd = compiled(_checkpointed_logp_entropy), compiled(_logp_entropy)
+            self.head_grad = compiled.compiled_head(_checkpointed_logp_entropy)
+            self.head_nograd = compiled.compiled_head(_logp_entropy)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
                 with_entropy: bool = False, chunk_tokens: int | None = None,
