@@ -69,8 +69,14 @@ def main() -> None:
     path = out / "gpu_check.json"
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "sections": {}}
     ctx = sec.Context(a.device, a.tiny, a.steps, a.variants.split(",") if a.variants else None)
-    ctx.on_partial = lambda name, figures: path.write_text(json.dumps(
-        dict(results, sections={**results["sections"], name: dict(figures, partial=True)}), indent=1, default=str))
+    partial: dict[str, dict] = {}  # a long section's figures so far: kept beside its error if it fails later
+
+    def on_partial(name: str, figures: dict) -> None:
+        partial[name] = dict(figures)
+        path.write_text(json.dumps(dict(results, sections={**results["sections"], name: dict(figures, partial=True)}),
+                                   indent=1, default=str))
+
+    ctx.on_partial = on_partial
     wanted = [s for s in SECTIONS if s in a.only.split(",")]
     for name in wanted:
         t0 = time.perf_counter()
@@ -78,7 +84,7 @@ def main() -> None:
         try:
             res = getattr(sec, name.replace(".", "").replace("-", "_"))(ctx)
         except Exception:  # a section's failure is its result; the next section still runs
-            res = {"error": traceback.format_exc(limit=12)}
+            res = {**partial.get(name, {}), "error": traceback.format_exc(limit=12)}
             print(res["error"], flush=True)
         res["seconds"] = round(time.perf_counter() - t0, 2)
         results["sections"][name] = res
