@@ -47,12 +47,14 @@ class LogProbs(torch.nn.Module):
     def __init__(self, policy: torch.nn.Module, compiled_head: bool = False):
         super().__init__()
         self.policy = policy
-        # the head over one chunk of positions: with autograd checkpointed (its fp32 logits recomputed in
-        # the backward), without autograd plain
-        self.head_grad, self.head_nograd = _checkpointed_logp_entropy, _logp_entropy
-        if compiled_head:  # learner/compiled.py: the checkpoint inside the graph, so its recompute is that graph's
-            self.head_grad = compiled.compiled_head(_checkpointed_logp_entropy)
-            self.head_nograd = compiled.compiled_head(_logp_entropy)
+        self.compile_head(compiled_head)
+
+    def compile_head(self, on: bool) -> None:
+        """The head over one chunk of positions: with autograd checkpointed (its fp32 logits recomputed in
+        the backward), without autograd plain; `on`: both compiled (learner/compiled.py), the checkpoint
+        inside the graph, so its recompute is that graph's."""
+        fns = (_checkpointed_logp_entropy, _logp_entropy)
+        self.head_grad, self.head_nograd = tuple(compiled.compiled_head(f) for f in fns) if on else fns
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
                 with_entropy: bool = False, chunk_tokens: int | None = None,

@@ -450,17 +450,14 @@ def step_15b(ctx: Context) -> dict:
 def _compiled(model, forward, on: bool | str) -> None:
     """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager;
     "head": the head alone (its checkpoint inside its graph), the layers eager."""
-    from learner import compiled, grpo
+    from learner import compiled
 
-    if on:
-        if on != "head":
-            compiled.compile_layers(model)
-        forward.head_grad = compiled.compiled_head(grpo._checkpointed_logp_entropy)
-        forward.head_nograd = compiled.compiled_head(grpo._logp_entropy)
-    else:
+    if on and on != "head":
+        compiled.compile_layers(model)
+    if not on:
         for layer in model.model.layers:
             vars(layer).pop("forward", None)
-        forward.head_grad, forward.head_nograd = grpo._checkpointed_logp_entropy, grpo._logp_entropy
+    forward.compile_head(bool(on))
 
 
 def _graphs() -> int:
@@ -484,8 +481,8 @@ def profile(ctx: Context) -> dict:
     """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
     trains): kernel time by category over one step, eager and compiled; then the step with the head's
     chunk at 512 positions (the CPU default) against the device-sized one, without gradient checkpointing
-    eager and compiled, the head alone compiled with checkpointing, and last a probe of what `learner.compile` refuses (compiled and checkpointed,
-    checkpoint debugging on: the step's error if it meets one)."""
+    eager and compiled, the head alone compiled with checkpointing, and last a probe of what
+    `learner.compile` refuses (compiled and checkpointed: its time, or the step's error if it meets one)."""
     from learner import attention as att
     from learner import grpo
     from learner.grpo import LogProbs
@@ -514,10 +511,8 @@ def profile(ctx: Context) -> dict:
         else:
             model.gradient_checkpointing_disable()
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
-        probe = name.endswith("_probe")  # what learner.compile refuses: the error it met, for a later fix
+        probe = name.endswith("_probe")  # what learner.compile refuses: its time, or the error it met
         try:
-            if probe:
-                torch.utils.checkpoint.set_checkpoint_debug_enabled(True)
             step(0)
             base = ctx.reset_peak()
             times, tokens = [], 0
@@ -542,8 +537,6 @@ def profile(ctx: Context) -> dict:
             r[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
         finally:
             grpo.logit_chunk = auto
-            if probe:
-                torch.utils.checkpoint.set_checkpoint_debug_enabled(None)
     _compiled(model, forward, False)
     return r
 
