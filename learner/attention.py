@@ -57,7 +57,9 @@ class Segments(NamedTuple):
 def _segments(bounds: list[int], device: torch.device) -> Segments:
     host = torch.tensor(bounds, dtype=torch.int32)
     longest = (host[1:] - host[:-1]).max()
-    return Segments(host.to(device, non_blocking=True), host, longest)
+    # to a GPU from pinned memory: a copy from pageable memory would wait for the stream
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return Segments(on_device, host, longest)
 
 
 def segments_from_positions(position_ids: torch.Tensor, device: torch.device) -> Segments:

@@ -16,6 +16,7 @@ the budget, whatever the lengths).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,15 +35,29 @@ class Rows:
         out = values[self.seq_index.clamp(min=0).to(values.device)]
         return torch.where(self.target_mask.to(values.device), out, torch.zeros_like(out))
 
-    def place(self, vectors: list[torch.Tensor]) -> torch.Tensor:
-        """Per-sequence vectors (one value per completion token) in the (R, W-1) layout, fp32."""
-        out = torch.zeros(self.target_mask.shape, dtype=torch.float32)
-        out[self.target_mask] = torch.cat([v.float() for v in vectors]) if vectors else torch.zeros(0)
+    @cached_property
+    def flat_targets(self) -> torch.Tensor:
+        """Flat positions of the target mask's true entries (host, long): what `place` and `split` index by,
+        so that on a GPU neither needs a boolean mask (whose count the host must wait for)."""
+        return self.target_mask.reshape(-1).nonzero().flatten()
+
+    def _targets_on(self, device: torch.device) -> torch.Tensor:
+        return self.flat_targets if device.type == "cpu" else to_device(self.flat_targets, device)
+
+    def place(self, vectors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """Per-sequence vectors (one value per completion token) in the (R, W-1) layout, fp32, on `device`
+        (default the host; host vectors go over from pinned memory, device ones stay)."""
+        device = torch.device("cpu") if device is None else device
+        out = torch.zeros(self.target_mask.shape, dtype=torch.float32, device=device)
+        if vectors:
+            values = torch.cat([to_device(v.float(), device) if v.device.type == "cpu" else v.float() for v in vectors])
+            out.view(-1).index_copy_(0, self._targets_on(device), values)
         return out
 
     def split(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """The (R, W-1) tensor's values at each sequence's target positions, one vector per sequence."""
-        return list(t[self.target_mask.to(t.device)].split(self.lengths))
+        """The (R, W-1) tensor's values at each sequence's target positions, one vector per sequence (on
+        `t`'s device, without a host synchronisation)."""
+        return list(t.reshape(-1).index_select(0, self._targets_on(t.device)).split(self.lengths))
 
 
 def pad_rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Rows:

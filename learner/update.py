@@ -149,7 +149,7 @@ def _rows(micro: list[Seq], pad_id: int, L) -> Rows:
 def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, L, temperature: float,
                     passes: int | None = None, filler: Seq | None = None) -> dict:
     """Per-completion log-probs under the model as it is now (before the step's first update), in the
-    learner's micro-batches. With `passes` (sharded ranks: every rank makes the same number of forward
+    learner's micro-batches, left on the compute device (read by later mini-batches there). With `passes` (sharded ranks: every rank makes the same number of forward
     passes), passes beyond this rank's own work forward `filler` and discard it."""
     out = {}
     parts = cut_micro_batches(seqs, list(range(len(seqs))), L)
@@ -158,7 +158,7 @@ def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device
         rows = _rows([seqs[k] for k in part] or [filler], pad_id, L)
         logp = rows_logprobs(model, rows, device, temperature, bf16=L.mixed_precision == "bf16")
         if part:
-            for k, v in zip(part, rows.split(logp.float().cpu())):  # one transfer per pass
+            for k, v in zip(part, rows.split(logp.float())):
                 out[keys[k]] = v
     return out
 
@@ -184,12 +184,15 @@ PHASES = ("recompute", "forward", "backward", "optimizer")
 
 class Phase:
     """Adds the time of a `with` block to `res.seconds[name]`: the wall clock on CPU; on CUDA, events
-    recorded on the current stream (no device-wide synchronize in the step; `read_phases` reads them)."""
+    recorded on the current stream (no device-wide synchronize in the step; `read_phases` reads them).
+    The block is labelled `exgrpo.<name>` for the profiler (ops/bench/gpu_gaps.py reads the labels)."""
 
     def __init__(self, res: UpdateResult, name: str, device: torch.device):
         self.res, self.name, self.cuda = res, name, device.type == "cuda"
+        self.label = torch.profiler.record_function(f"exgrpo.{name}")
 
     def __enter__(self) -> None:
+        self.label.__enter__()
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -203,6 +206,7 @@ class Phase:
             self.res.events.append((self.name, self.start, end))
         else:
             self.res.seconds[self.name] += time.perf_counter() - self.t0
+        self.label.__exit__(*exc)
 
 
 def read_phases(res: UpdateResult) -> None:
@@ -327,7 +331,7 @@ def micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, 
         if mb == 0:
             prox = logp.detach()
         else:  # recomputed before the first update; replayed rows keep their own slot
-            prox = to_device(rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)]), device)
+            prox = rows.place([pre_logp.get(i, s.logprobs) for i, s in zip(idx, micro)], device)
         correcting = L.off_policy_correction != "none"
         own = [s.staleness == 0 for s in micro]
         own_version = to_device(rows.per_token(torch.tensor(own)), device)
@@ -345,7 +349,7 @@ def micro_step(model, seqs: list[Seq], idx: list[int], mb: int, pre_logp: dict, 
     with Phase(res, "backward", device):
         loss.backward()
     res.stats.append(st)
-    if X.pi_past == "learner":
+    if X.pi_past == "learner" and any(s.collect for s in micro):
         for i, v in zip(idx, rows.split(prox)):
             if seqs[i].collect:
                 res.pi_past[i] = v.float()  # to the host in finish_result
@@ -387,7 +391,10 @@ def finish_result(res: UpdateResult) -> None:
     if res.diff_max is not None:
         d = host(res.diff_max)
         res.diff_max = d if d >= 0 else None
-    res.pi_past = {i: t.cpu() for i, t in res.pi_past.items()}
+    if res.pi_past:  # one transfer
+        keys = list(res.pi_past)
+        host = torch.cat([res.pi_past[i] for i in keys]).cpu().split([len(res.pi_past[i]) for i in keys])
+        res.pi_past = dict(zip(keys, host))
 
 
 def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
