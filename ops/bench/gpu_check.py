@@ -17,7 +17,9 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                do), sdpa against varlen attention, foreach against fused AdamW, eager against compiled
                regions (learner/compiled.py, without gradient checkpointing): tokens/s, phase times, peak memory against
                learner/memory_model.py, MFU counted two ways, the compiled variants' warm-up (compile) time
- 8. profile    the 1.5B step's GPU time by kernel category, eager and compiled; the step with the head at
+ 8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
+               calls by line and the device's idle time by what launched the kernel after it
+               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON); the step with the head at
                512-position chunks, eager and compiled without gradient checkpointing, and a probe of
                compiled with checkpointing (which learner.compile refuses: its error, if any)
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
@@ -62,7 +64,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in this file's order")
     ap.add_argument("--steps", type=int, default=2, help="timed learner steps per variant (after one warm-up)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated step_1.5b variants to run (names as in the JSON); default all")
+                    help="comma-separated variants of step_1.5b and profile to run (names as in the JSON); "
+                         "default all")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,6 +80,7 @@ def main() -> None:
                                    indent=1, default=str))
 
     ctx.on_partial = on_partial
+    ctx.out = out
     wanted = [s for s in SECTIONS if s in a.only.split(",")]
     for name in wanted:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ shapes, so the CPU rehearsal (tests/unit/test_gpu_check.py) runs every line that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import random
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+import gpu_gaps
 from gpu_sync_check import REPO
 from learner.memory_model import QWEN25_7B, QWEN25_15B, Shape, qwen2_config, rank_bytes
 
@@ -31,6 +33,7 @@ class Context:
         self.cuda = self.device.type == "cuda"
         self.tiny, self.steps, self.variants = tiny, steps, variants
         self.keep: dict = {}
+        self.out = None  # gpu_check.py: the output folder (the profile's traces go there)
         self.on_partial = None  # gpu_check.py: writes a section's figures so far
         if self.cuda:
             torch.cuda.set_device(self.device)
@@ -390,19 +393,22 @@ def step_15b(ctx: Context) -> dict:
     ranks = Ranks(0, 1, ctx.device)
     fast = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
     variants = [("unsharded", "sdpa", False, False), ("unsharded", fast, False, False), ("unsharded", fast, True, False),
-                ("unsharded", fast, True, True), ("fsdp2", fast, True, False), ("fsdp2", fast, True, True)]
+                ("unsharded", fast, True, True), ("unsharded", fast, True, "head"), ("fsdp2", fast, True, False),
+                ("fsdp2", fast, True, True), ("fsdp2", fast, True, "head")]
     r = {"shape": s.name, "budget": budget, "peak_bf16_flops": ctx.peak_flops,
          "memory_model_gb_world1": rank_bytes(s, budget, 1) / 1e9}
     forward = LogProbs(model)
-    # compiled: learner/compiled.py's regions, without gradient checkpointing (compile refuses it)
-    names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{'_compiled_no_ckpt' if v[3] else ''}"  # noqa: E731
+    # compiled: learner/compiled.py's regions, layers and head without gradient checkpointing (compile refuses
+    # the layers with it), or the head alone with checkpointing (learner.compile "auto" with checkpointing)
+    suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head"}
+    names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{suffix[v[3]]}"  # noqa: E731
     variants = [v for v in variants if ctx.variants is None or names(v) in ctx.variants]
     for wrapper, backend, fused, compile_it in variants:
         if wrapper == "fsdp2" and not hasattr(forward, "reshard"):  # the last variants: FSDP2 owns the model now
             model.zero_grad(set_to_none=True)
             forward = shard(model, "bf16")
         _compiled(model, forward, compile_it)
-        if compile_it:
+        if compile_it is True:
             model.gradient_checkpointing_disable()
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -412,9 +418,9 @@ def step_15b(ctx: Context) -> dict:
         seqs = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
         name = names((wrapper, backend, fused, compile_it))
         t_warm = time.perf_counter()
-        update_policy(forward, opt, seqs(0), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, 0, ranks)  # warm-up
-        ctx.sync()
+        warm_ups = _warm_up(ctx, functools.partial(_one_step, forward, opt, seqs, cfg, ctx.device, ranks), compile_it)
         t_warm = time.perf_counter() - t_warm
+        graphs = _graphs()
         base = ctx.reset_peak()
         times, tokens, flops_model, flops_hw, phases = [], 0, 0.0, 0.0, []
         for k in range(ctx.steps):
@@ -438,7 +444,8 @@ def step_15b(ctx: Context) -> dict:
                    "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
                    "mfu_6n_causal": flops_model / total / pf if pf else None,
                    "mfu_as_computed": flops_hw / total / pf if pf else None,
-                   "warm_up_step_s": t_warm, "compiled_graphs": _graphs()}
+                   "warm_up_s": t_warm, "warm_up_steps": warm_ups, "compiled_graphs": _graphs(),
+                   "graphs_compiled_while_timed": _graphs() - graphs}
         ctx.partial("step_1.5b", r)  # written now: a timeout in a later (compiled, slower) variant keeps these
         del opt
         ctx.free()
@@ -447,14 +454,33 @@ def step_15b(ctx: Context) -> dict:
     return r
 
 
+def _one_step(forward, opt, seqs, cfg, device, ranks, k: int) -> None:
+    from learner.update import StepSettings, update_policy
+
+    update_policy(forward, opt, seqs(k), 4, cfg, StepSettings(clip=0.2), device, 0, 0, ranks)
+
+
+def _warm_up(ctx: Context, step, compiled: bool | str, most: int = 4) -> int:
+    """One warm-up step; compiled, more (other batches: seeds 101, 102, ...) while a step still compiles new
+    graphs (the compiler specialises a few shape ranges and grad mode, each met first in some step), so the
+    timed steps time the compiled step, not its compiles. Returns the warm-up steps taken."""
+    for n in range(1, most + 1):
+        before = _graphs()
+        step(0 if n == 1 else 100 + n)
+        ctx.sync()
+        if not compiled or (n > 1 and _graphs() == before):
+            return n
+    return most
+
+
 def _compiled(model, forward, on: bool | str) -> None:
     """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager;
     "head": the head alone (its checkpoint inside its graph), the layers eager."""
     from learner import compiled
 
-    if on and on != "head":
+    if on is True:
         compiled.compile_layers(model)
-    if not on:
+    else:  # the layers eager (a former variant may have compiled them)
         for layer in model.model.layers:
             vars(layer).pop("forward", None)
     forward.compile_head(bool(on))
@@ -497,7 +523,8 @@ def profile(ctx: Context) -> dict:
     att.use(model, "varlen" if att.varlen_available(ctx.device) else "per_sequence")
     forward, ranks = LogProbs(model), Ranks(0, 1, ctx.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
-    batch = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
+    batches = {k: _seqs(4, 8, s.vocab, prompt, comp, k) for k in (0, *range(1, ctx.steps + 1), 97, 98, 99, 102, 103, 104)}
+    batch = batches.__getitem__  # built before the timing
     step = lambda k: update_policy(forward, opt, batch(k), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k, ranks)  # noqa: E731
     r = {"head_chunk_auto": grpo.logit_chunk(s.vocab, ctx.device)}
     auto = grpo.logit_chunk
@@ -505,6 +532,8 @@ def profile(ctx: Context) -> dict:
             ("checkpointing_chunk_auto", True, None, False), ("checkpointing_chunk_512", True, 512, False),
             ("no_checkpointing_chunk_auto", False, None, False), ("compiled_no_checkpointing", False, None, True),
             ("compiled_head_checkpointing", True, None, "head"), ("compiled_checkpointing_probe", True, None, True)):
+        if ctx.variants is not None and name not in ctx.variants:
+            continue
         _compiled(model, forward, compile_it)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -513,7 +542,9 @@ def profile(ctx: Context) -> dict:
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
         probe = name.endswith("_probe")  # what learner.compile refuses: its time, or the error it met
         try:
-            step(0)
+            graphs = _graphs()
+            warm_ups = _warm_up(ctx, step, compile_it)
+            graphs_warm = _graphs()
             base = ctx.reset_peak()
             times, tokens = [], 0
             for k in range(ctx.steps):
@@ -527,9 +558,15 @@ def profile(ctx: Context) -> dict:
                         for k in range(ctx.steps))
             r[name] = {"seconds_per_step": sum(times) / len(times), "tokens_per_s": tokens / sum(times),
                        "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
-                       "mfu_6n_causal": flops / sum(times) / ctx.peak_flops if ctx.peak_flops else None}
-            if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing") and ctx.cuda:
-                r[f"kernel_time_by_category{'_compiled' if compile_it else ''}"] = _by_category(lambda: step(99))
+                       "mfu_6n_causal": flops / sum(times) / ctx.peak_flops if ctx.peak_flops else None,
+                       "warm_up_steps": warm_ups, "graphs_compiled_in_warm_up": graphs_warm - graphs,
+                       "graphs_compiled_while_timed": _graphs() - graphs_warm}
+            if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing"):
+                if ctx.cuda:
+                    r[f"kernel_time_by_category{'_compiled' if compile_it else ''}"] = _by_category(lambda: step(99))
+                r[f"host_syncs_{name}"] = gpu_gaps.sync_sites(lambda: step(98))
+                keep = ctx.out / f"trace-{name}.json.gz" if ctx.out is not None else None
+                r[f"idle_{name}"] = gpu_gaps.idle_gaps(gpu_gaps.trace_of(lambda: step(97), keep))
             ctx.partial("profile", r)
         except Exception as e:  # noqa: BLE001
             if not probe:
@@ -583,7 +620,10 @@ def memory_7b(ctx: Context) -> dict:
     model = _model(s, layers, ctx.device, max_positions=budget)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     att.use(model, "varlen" if att.varlen_available(ctx.device) else "per_sequence")
-    forward = shard(model, "bf16")
+    from learner import compiled
+
+    regions = compiled.resolve(cfg.learner.compile, ctx.device, cfg.learner.gradient_checkpointing)  # as the config runs
+    forward = shard(model, "bf16", regions.head)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
     ranks = Ranks(0, 1, ctx.device)
     update_policy(forward, opt, _seqs(2, 8, s.vocab, prompt, comp, 0), 2, cfg, StepSettings(clip=0.2), ctx.device,
@@ -592,7 +632,7 @@ def memory_7b(ctx: Context) -> dict:
     update_policy(forward, opt, _seqs(2, 8, s.vocab, prompt, comp, 1), 2, cfg, StepSettings(clip=0.2), ctx.device,
                   0, 1, ranks)
     model_bytes = rank_bytes(s, budget, 1)
-    r = {"shape": f"{full.name}, {layers} layers", "params": s.params(), "step_peak_gb": (ctx.peak() or 0) / 1e9,
+    r = {"shape": f"{full.name}, {layers} layers", "compiled": str(regions), "params": s.params(), "step_peak_gb": (ctx.peak() or 0) / 1e9,
          "memory_model_gb": model_bytes / 1e9}
     r["measured_over_model"] = r["step_peak_gb"] / r["memory_model_gb"] if ctx.cuda else None
     before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
