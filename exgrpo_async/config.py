@@ -248,14 +248,15 @@ class LearnerConfig(_Strict):
     "varlen": PyTorch's variable-length flash attention, causal within each sequence (CUDA, bf16);
     "per_sequence": one causal SDPA call per sequence (any device and dtype). "auto": "varlen" on a
     CUDA learner computing in bf16, else "sdpa". A start-up check proves the choice keeps sequences apart."""
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: Literal["auto", "on", "head", "off"] = "auto"
     """Compile the learner's model in regions with `torch.compile` (learner/compiled.py): each decoder
     layer's body, its attention kernel excluded, and the output head's log-prob and entropy, fusing the
-    memory-bound work between the matrix multiplies (the 1.5B step without checkpointing on an H200: 1.88 s
-    compiled, 2.80 s eager; docs/benchmarks.md, "Compiled regions"). The first
-    step pays the compile (tens of seconds on a GPU). Not with `gradient_checkpointing` ("on" is refused
-    there: a recompute may run another graph than its forward). "auto": on for a CUDA learner without
-    gradient checkpointing, else off."""
+    memory-bound work between the matrix multiplies (the 1.5B step on an H200: 1.67 s with both compiled
+    and no checkpointing, 2.09 s with the head compiled and checkpointing, 3.01 s eager with checkpointing;
+    docs/benchmarks.md, "Host synchronisations"). The first steps pay the compile (tens of seconds on a
+    GPU). "on": both regions, not with `gradient_checkpointing` (refused: a layer's recompute may run
+    another graph than its forward); "head": the head alone; "auto": on a CUDA learner the head, and the
+    layers too without gradient checkpointing; nothing on CPU."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(200, gt=0)

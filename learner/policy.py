@@ -108,10 +108,10 @@ class Policy:
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing)
-        if self.compiled:
+        if self.compiled.layers:
             compiled.compile_layers(self.model)
-        self.forward = (shard(self.model, L.mixed_precision, self.compiled) if ranks.world > 1
-                        else LogProbs(self.model, self.compiled))
+        self.forward = (shard(self.model, L.mixed_precision, self.compiled.head) if ranks.world > 1
+                        else LogProbs(self.model, self.compiled.head))
         if ranks.world > 1:
             receive_weights(self.model, cfg.model.path, ranks, device)
         # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
@@ -119,7 +119,7 @@ class Policy:
                                      fused=device.type == "cuda")
         self.pad_id = self.tokenizer.pad_token_id or 0
         attention.check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)
-        log.info("learner attention: %s; compiled regions: %s", self.attention, "on" if self.compiled else "off")
+        log.info("learner attention: %s; compiled regions: %s", self.attention, self.compiled)
 
     # ------------------------------------------------------------------ the collective operations
     def update(self, seqs: list[Seq], n_groups: int, settings: StepSettings, updates_before: int) -> UpdateResult:

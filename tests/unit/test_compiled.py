@@ -14,9 +14,11 @@ CPU = torch.device("cpu")
 
 def test_the_setting_resolves_per_device_and_checkpointing():
     gpu = torch.device("cuda", 0)
-    assert compiled.resolve("auto", gpu, False) and not compiled.resolve("auto", CPU, False)
-    assert not compiled.resolve("auto", gpu, True)  # a recompute may run another graph than its forward
-    assert compiled.resolve("on", CPU, False) and not compiled.resolve("off", gpu, False)
+    R = compiled.Regions
+    assert compiled.resolve("auto", gpu, False) == R(True, True) and compiled.resolve("auto", CPU, False) == R(False, False)
+    assert compiled.resolve("auto", gpu, True) == R(False, True)  # a layer's recompute may run another graph
+    assert compiled.resolve("on", CPU, False) == R(True, True) and compiled.resolve("off", gpu, False) == R(False, False)
+    assert compiled.resolve("head", CPU, True) == R(False, True) and str(R(False, True)) == "head"
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         compiled.resolve("on", gpu, True)
     with pytest.raises(ValueError, match="learner.compile"):
@@ -49,7 +51,7 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
             p.update(_seqs(step), 4, StepSettings(clip=0.2), step)
             graphs.append(counters["stats"]["unique_graphs"])
         if mode == "on":
-            assert p.compiled and graphs[0] > 0 and graphs[1] == graphs[0], graphs
+            assert p.compiled == compiled.Regions(True, True) and graphs[0] > 0 and graphs[1] == graphs[0], graphs
     eager, fast = (dict(policies[m].model.named_parameters()) for m in ("off", "on"))
     for name, w in eager.items():
         # AdamW at lr 1e-3 moves a weight up to 4e-3 in these 4 updates; fp32 rounding of the fused kernels
@@ -59,3 +61,25 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
     args = ([s.prompt for s in seqs], [s.completion for s in seqs], "entropy")
     torch.testing.assert_close(torch.tensor(policies["on"].score(*args)), torch.tensor(policies["off"].score(*args)),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_call_past_the_recompile_limit_raises_instead_of_running_eagerly():
+    """Past the limit torch would run the layer eagerly, at eager memory (an out-of-memory error later on
+    a GPU sized for the compiled step); the learner's regions raise at the call instead."""
+    from exgrpo_async.toy import build_model
+
+    torch._dynamo.reset()
+    model = build_model(0)
+    compiled.compile_layers(model)
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        ids = torch.randint(3, 90, (1, 12))
+        model(input_ids=ids).logits.sum().backward()  # the graphs of grad mode on
+        torch._dynamo.config.recompile_limit = 1  # no more
+        with torch.no_grad(), pytest.raises((torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported),
+                                           match="ecompile.limit"):
+            model(input_ids=ids)  # grad mode off needs a second graph
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
