@@ -2,7 +2,7 @@
 
 Each config runs its own process topology and code path at the toy shape: its GPU plan (every process
 started with the CUDA_VISIBLE_DEVICES the node would give it), its learner ranks (FSDP2 over gloo, the
-bf16 recipe, gradient checkpointing, packed micro-batches), its actors' tensor-parallel engines, its data
+bf16 recipe, gradient checkpointing where the config asks for it, packed micro-batches), its actors' tensor-parallel engines, its data
 format (verl parquet rows with the system prompt, a bad row skipped and counted), ExGRPO, evaluation
 with the best-weights rule that leaves Minerva out, checkpoints, and `train --resume` (at 4 ranks: the
 last checkpoint's shards loaded and gathered back exactly; one rank's resume is test_resume.py's). Only
@@ -63,7 +63,8 @@ def test_a_gpu_config_rehearses_on_cpu_then_resumes(name, toy, tmp_path):
     cfg = json.loads((run_dir / "config.json").read_text())
     # what the rehearsal kept from the config: the topology and the numerical recipe
     assert cfg["learner"]["world_size"] == L.world_size and cfg["actor"]["engine"]["tensor_parallel_size"] == tp
-    assert cfg["learner"]["gradient_checkpointing"] and cfg["learner"]["mixed_precision"] == "bf16"
+    assert cfg["learner"]["gradient_checkpointing"] == node.learner.gradient_checkpointing
+    assert cfg["learner"]["compile"] == node.learner.compile and cfg["learner"]["mixed_precision"] == "bf16"
     assert cfg["model"]["dtype"] == node.model.dtype == "bfloat16"
     assert cfg["data"]["system_prompt"] == node.data.system_prompt and cfg["data"]["use_chat_template"]
     assert cfg["learner"]["best_exclude_sources"] == ["minerva"] and cfg["exgrpo"]["enabled"]
