@@ -252,7 +252,7 @@ class LearnerConfig(_Strict):
     """Compile the learner's model in regions with `torch.compile` (learner/compiled.py): each decoder
     layer's body, its attention kernel excluded, and the output head's log-prob and entropy, fusing the
     memory-bound work between the matrix multiplies (the 1.5B step on an H200: 1.67 s with both compiled
-    and no checkpointing, 2.09 s with the head compiled and checkpointing, 3.01 s eager with checkpointing;
+    and no checkpointing, 2.61 s with the head alone compiled and checkpointing, 3.01 s eager with checkpointing;
     docs/benchmarks.md, "Host synchronisations"). The first steps pay the compile (tens of seconds on a
     GPU). "on": both regions, not with `gradient_checkpointing` (refused: a layer's recompute may run
     another graph than its forward); "head": the head alone; "auto": on a CUDA learner the head, and the
