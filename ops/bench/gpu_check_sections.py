@@ -460,10 +460,12 @@ def _one_step(forward, opt, seqs, cfg, device, ranks, k: int) -> None:
     update_policy(forward, opt, seqs(k), 4, cfg, StepSettings(clip=0.2), device, 0, 0, ranks)
 
 
-def _warm_up(ctx: Context, step, compiled: bool | str, most: int = 4) -> int:
+def _warm_up(ctx: Context, step, compiled: bool | str) -> int:
     """One warm-up step; compiled, more (other batches: seeds 101, 102, ...) while a step still compiles new
     graphs (the compiler specialises a few shape ranges and grad mode, each met first in some step), so the
-    timed steps time the compiled step, not its compiles. Returns the warm-up steps taken."""
+    timed steps time the compiled step, not its compiles: up to 4 (2 in the CPU rehearsal, whose figures are
+    not timings). Returns the warm-up steps taken."""
+    most = 2 if ctx.tiny else 4
     for n in range(1, most + 1):
         before = _graphs()
         step(0 if n == 1 else 100 + n)

@@ -67,6 +67,9 @@ ARMS: dict[str, list[str]] = {
     # ExGRPO with nothing replayed (rho 0): on-policy batches with its retirement of solved questions (and
     # its clip schedule); against "exgrpo" it shows the replay's own share of a gain
     "no_replay": ["exgrpo.enabled=true", "exgrpo.rho=0"],
+    # the learning rate (the demo's is 5e-5): how fast the 200-step demo can move the held-out accuracy
+    "grpo_lr_1e-4": ["exgrpo.enabled=false", "learner.lr=1e-4"],
+    "exgrpo_lr_1e-4": ["exgrpo.enabled=true", "learner.lr=1e-4"],
 }
 SCENARIOS: dict[str, list[str]] = {
     "demo": [],  # the demo's warm start and learning rate: partly solved questions, pass rates over 0..1
