@@ -15,8 +15,9 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
  7. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
                do), sdpa against varlen attention, foreach against fused AdamW, eager against compiled
-               regions (learner/compiled.py, without gradient checkpointing): tokens/s, phase times, peak memory against
-               learner/memory_model.py, MFU counted two ways, the compiled variants' warm-up (compile) time
+               regions (learner/compiled.py: layers and head without gradient checkpointing, or the head
+               alone with it): tokens/s, phase times, peak memory against learner/memory_model.py, MFU
+               counted two ways, the compiled variants' warm-up (until a step compiles nothing new)
  8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
                calls by line and the device's idle time by what launched the kernel after it
                (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON); the step with the head at
