@@ -44,7 +44,7 @@ class Regions(NamedTuple):
 
 
 RECOMPILE_LIMIT = 16  # graphs per compiled function: grad and no-grad passes, inputs with and without
-# gradients, shape ranges (an H200 run of the 1.5B step: 6 at most). Past the limit torch would run the call
+# gradients, shape ranges (an H200 run of the 1.5B step: 5 at most). Past the limit torch would run the call
 # eagerly, at eager memory (87 GB against 64 GB for the 1.5B step without checkpointing on an H200: an
 # out-of-memory error later, far from its cause); `compile_layers` makes it raise there instead.
 

@@ -149,8 +149,9 @@ def _rows(micro: list[Seq], pad_id: int, L) -> Rows:
 def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device, L, temperature: float,
                     passes: int | None = None, filler: Seq | None = None) -> dict:
     """Per-completion log-probs under the model as it is now (before the step's first update), in the
-    learner's micro-batches, left on the compute device (read by later mini-batches there). With `passes` (sharded ranks: every rank makes the same number of forward
-    passes), passes beyond this rank's own work forward `filler` and discard it."""
+    learner's micro-batches, left on the compute device (the later mini-batches read them there). With
+    `passes` (sharded ranks: every rank makes the same number of forward passes), passes beyond this
+    rank's own work forward `filler` and discard it."""
     out = {}
     parts = cut_micro_batches(seqs, list(range(len(seqs))), L)
     for p in range(passes if passes is not None else len(parts)):
@@ -393,8 +394,8 @@ def finish_result(res: UpdateResult) -> None:
         res.diff_max = d if d >= 0 else None
     if res.pi_past:  # one transfer
         keys = list(res.pi_past)
-        host = torch.cat([res.pi_past[i] for i in keys]).cpu().split([len(res.pi_past[i]) for i in keys])
-        res.pi_past = dict(zip(keys, host))
+        on_host = torch.cat([res.pi_past[i] for i in keys]).cpu().split([len(res.pi_past[i]) for i in keys])
+        res.pi_past = dict(zip(keys, on_host))
 
 
 def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
