@@ -20,9 +20,9 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                counted two ways, the compiled variants' warm-up (until a step compiles nothing new)
  8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
                calls by line and the device's idle time by what launched the kernel after it
-               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON); the step with the head at
-               512-position chunks, eager and compiled without gradient checkpointing, and a probe of
-               compiled with checkpointing (which learner.compile refuses: its error, if any)
+               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON), and a probe of compiled
+               with checkpointing (which learner.compile refuses: its error, if any). Variants measured
+               before that no config runs go only when `--variants` names them (ON_REQUEST in the sections)
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
 10. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on

@@ -27,6 +27,13 @@ TINY_15B = Shape("tiny (1.5B stand-in)", 64, 160, 2, 4, 2, 512, True)
 TINY_7B = Shape("tiny (7B stand-in)", 96, 192, 3, 4, 2, 640, False)
 
 
+# variants run only when `--variants` names them (docs/benchmarks.md has their figures): FSDP2 with the layers
+# compiled and no checkpointing (the 7B config checkpoints), the head at the CPU's 512-position chunk, the
+# step eager without checkpointing (87 GB: no config), the head alone compiled (step_1.5b measures it)
+ON_REQUEST = ("fsdp2_varlen_fused_compiled_no_ckpt", "fsdp2_per_sequence_fused_compiled_no_ckpt",
+              "checkpointing_chunk_512", "no_checkpointing_chunk_auto", "compiled_head_checkpointing")
+
+
 class Context:
     def __init__(self, device: str, tiny: bool, steps: int, variants: list[str] | None = None):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
@@ -48,6 +55,12 @@ class Context:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + random.Random().randrange(500)))
             dist.init_process_group("nccl" if self.cuda else "gloo", rank=0, world_size=1)
+
+    def wants(self, variant: str) -> bool:
+        """Whether a variant of step_1.5b or profile runs: the ones `--variants` names, else all but those
+        measured before that no config runs (ON_REQUEST: the check stays within 8 minutes on one GPU)."""
+        return variant in self.variants if self.variants is not None else not any(
+            variant.startswith(p) for p in ON_REQUEST)
 
     def partial(self, section: str, figures: dict) -> None:
         """A long section's figures so far, written out before it goes on."""
@@ -402,7 +415,7 @@ def step_15b(ctx: Context) -> dict:
     # the layers with it), or the head alone with checkpointing (learner.compile "auto" with checkpointing)
     suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head"}
     names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{suffix[v[3]]}"  # noqa: E731
-    variants = [v for v in variants if ctx.variants is None or names(v) in ctx.variants]
+    variants = [v for v in variants if ctx.wants(names(v))]
     for wrapper, backend, fused, compile_it in variants:
         if wrapper == "fsdp2" and not hasattr(forward, "reshard"):  # the last variants: FSDP2 owns the model now
             model.zero_grad(set_to_none=True)
@@ -507,10 +520,11 @@ def _category(kernel: str) -> str:
 
 def profile(ctx: Context) -> dict:
     """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
-    trains): kernel time by category over one step, eager and compiled; then the step with the head's
-    chunk at 512 positions (the CPU default) against the device-sized one, without gradient checkpointing
-    eager and compiled, the head alone compiled with checkpointing, and last a probe of what
-    `learner.compile` refuses (compiled and checkpointed: its time, or the step's error if it meets one)."""
+    trains): kernel time by category over one step, eager and compiled, with the step's synchronising calls
+    and the device's idle time (ops/bench/gpu_gaps.py); the step compiled without gradient checkpointing;
+    on request (ON_REQUEST) the head's chunk at 512 positions, eager without checkpointing and the head
+    alone compiled; and last a probe of what `learner.compile` refuses (compiled and checkpointed: its
+    time, or the step's error if it meets one)."""
     from learner import attention as att
     from learner import grpo
     from learner.grpo import LogProbs
@@ -534,7 +548,7 @@ def profile(ctx: Context) -> dict:
             ("checkpointing_chunk_auto", True, None, False), ("checkpointing_chunk_512", True, 512, False),
             ("no_checkpointing_chunk_auto", False, None, False), ("compiled_no_checkpointing", False, None, True),
             ("compiled_head_checkpointing", True, None, "head"), ("compiled_checkpointing_probe", True, None, True)):
-        if ctx.variants is not None and name not in ctx.variants:
+        if not ctx.wants(name):
             continue
         _compiled(model, forward, compile_it)
         if checkpointing:
