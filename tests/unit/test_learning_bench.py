@@ -28,3 +28,17 @@ def test_heldout_draw_refuses_a_kind_it_cannot_fill():
     # mul21 has 90 x 8 = 720 questions: asking for more cannot be met apart from nothing
     with pytest.raises(ValueError, match="only 720 mul21"):
         learning.draw_heldout(721, set())
+
+
+@pytest.mark.parametrize("name", sorted(learning.ARMS))
+def test_every_arm_loads_and_sets_what_it_names(name):
+    # a typo in an arm surfaces here, not an hour into a bench invocation as a failed run
+    from exgrpo_async.config import _parse_value, load_config
+
+    for scenario in learning.SCENARIOS:
+        cfg = load_config(None, [*learning.SCENARIOS[scenario], *learning.ARMS[name]])
+        for item in learning.ARMS[name]:
+            key, text = item.split("=", 1)
+            section, field = key.split(".")
+            want = _parse_value(text)
+            assert getattr(getattr(cfg, section), field) == (None if want == "none" else want), item
