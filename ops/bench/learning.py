@@ -70,12 +70,12 @@ ARMS: dict[str, list[str]] = {
     # the learning rate (the demo's is 5e-5): how fast the 200-step demo can move the held-out accuracy
     "grpo_lr_1e-4": ["exgrpo.enabled=false", "learner.lr=1e-4"],
     "exgrpo_lr_1e-4": ["exgrpo.enabled=true", "learner.lr=1e-4"],
+    "grpo_lr_3e-5": ["exgrpo.enabled=false", "learner.lr=3e-5"],
+    "grpo_lr_2e-5": ["exgrpo.enabled=false", "learner.lr=2e-5"],
     # the paper's sampler ablation (sigma 0.5 and 1.5 around its 1.0): a wider Gaussian spreads the draws over
     # more buckets, a narrower one concentrates them on k = K/2
     "sigma_1.5": ["exgrpo.enabled=true", "exgrpo.sigma=1.5"],
     "sigma_0.5": ["exgrpo.enabled=true", "exgrpo.sigma=0.5"],
-    "grpo_lr_3e-5": ["exgrpo.enabled=false", "learner.lr=3e-5"],
-    "grpo_lr_2e-5": ["exgrpo.enabled=false", "learner.lr=2e-5"],
 }
 SCENARIOS: dict[str, list[str]] = {
     "demo": [],  # the demo's warm start and learning rate: partly solved questions, pass rates over 0..1

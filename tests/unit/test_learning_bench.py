@@ -1,4 +1,4 @@
-"""ops/bench/learning.py's pure parts: the larger held-out set's draw."""
+"""ops/bench/learning.py's pure parts: the larger held-out set's draw, and its arms' overrides."""
 
 from __future__ import annotations
 
