@@ -602,7 +602,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _parse_value(text: str) -> Any:
+def parse_override_value(text: str) -> Any:
     """Override values are TOML/JSON literals when they parse as one, plain strings otherwise."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -625,7 +625,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value")
         key, text = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(text.strip()))
+        _set_dotted(tree, key.strip(), parse_override_value(text.strip()))
     return _validate(tree, f" ({path})" if path else "")
 
 

@@ -15,7 +15,7 @@ the budget, whatever the lengths).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -29,6 +29,8 @@ class Rows:
     target_mask: torch.Tensor  # (R, W-1) bool
     seq_index: torch.Tensor  # (R, W-1) long: the sequence each target position scores, -1 elsewhere
     lengths: list[int]  # completion length of each sequence, in order
+    # flat_targets on each accelerator it was asked for: copied over once per layout, not per call
+    _targets_by_device: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
         """(n,) per-sequence values spread over each sequence's target positions (zero elsewhere)."""
@@ -42,7 +44,12 @@ class Rows:
         return self.target_mask.reshape(-1).nonzero().flatten()
 
     def _targets_on(self, device: torch.device) -> torch.Tensor:
-        return self.flat_targets if device.type == "cpu" else to_device(self.flat_targets, device)
+        if device.type == "cpu":
+            return self.flat_targets
+        key = str(device)
+        if key not in self._targets_by_device:
+            self._targets_by_device[key] = to_device(self.flat_targets, device)
+        return self._targets_by_device[key]
 
     def place(self, vectors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
         """Per-sequence vectors (one value per completion token) in the (R, W-1) layout, fp32, on `device`

@@ -33,12 +33,12 @@ def test_heldout_draw_refuses_a_kind_it_cannot_fill():
 @pytest.mark.parametrize("name", sorted(learning.ARMS))
 def test_every_arm_loads_and_sets_what_it_names(name):
     # a typo in an arm surfaces here, not an hour into a bench invocation as a failed run
-    from exgrpo_async.config import _parse_value, load_config
+    from exgrpo_async.config import parse_override_value, load_config
 
     for scenario in learning.SCENARIOS:
         cfg = load_config(None, [*learning.SCENARIOS[scenario], *learning.ARMS[name]])
         for item in learning.ARMS[name]:
             key, text = item.split("=", 1)
             section, field = key.split(".")
-            want = _parse_value(text)
+            want = parse_override_value(text)
             assert getattr(getattr(cfg, section), field) == (None if want == "none" else want), item

@@ -30,6 +30,17 @@ def test_pack_rows_put_sequences_back_to_back_with_restarting_positions():
     assert r.per_token(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[0, 1, 1, 0, 2], [0, 0, 3, 0, 0]]
 
 
+def test_target_positions_go_to_an_accelerator_once_per_layout():
+    # `place` and `split` run several times per micro-batch; the positions they index by are copied over
+    # once ("meta" stands in for an accelerator: shapes without data)
+    r = pack_rows([[1, 2], [1]], [[5, 6], [7]], pad_id=0, max_tokens=6)
+    meta = torch.device("meta")
+    placed = r.place([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], meta)
+    assert placed.device == meta and [v.shape for v in r.split(placed)] == [(2,), (1,)]
+    assert r._targets_on(meta) is r._targets_on(meta)
+    assert r._targets_on(torch.device("cpu")) is r.flat_targets
+
+
 def test_micro_batches_by_count_or_token_budget():
     assert micro_batches([5, 5, 5, 5, 5], 2, None) == [[0, 1], [2, 3], [4]]
     assert micro_batches([5, 5, 5, 20, 5], 99, 10) == [[0, 1], [2], [3], [4]]  # 20 > budget: alone
