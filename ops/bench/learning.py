@@ -72,6 +72,9 @@ ARMS: dict[str, list[str]] = {
     "exgrpo_lr_1e-4": ["exgrpo.enabled=true", "learner.lr=1e-4"],
     "grpo_lr_3e-5": ["exgrpo.enabled=false", "learner.lr=3e-5"],
     "grpo_lr_2e-5": ["exgrpo.enabled=false", "learner.lr=2e-5"],
+    # twice the samples per question on half the questions (the same generated tokens per step): a question
+    # the policy solves once in 16 gives a group with signal, where 8 samples mostly come back all wrong
+    "grpo_k16": ["exgrpo.enabled=false", "rollout.samples_per_question=16", "learner.questions_per_step=16"],
     # the paper's sampler ablation (sigma 0.5 and 1.5 around its 1.0): a wider Gaussian spreads the draws over
     # more buckets, a narrower one concentrates them on k = K/2
     "sigma_1.5": ["exgrpo.enabled=true", "exgrpo.sigma=1.5"],
