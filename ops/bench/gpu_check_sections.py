@@ -529,7 +529,6 @@ def profile(ctx: Context) -> dict:
     from learner import grpo
     from learner.grpo import LogProbs
     from learner.ranks import Ranks
-    from learner.update import StepSettings, update_policy
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     budget, max_new = (512, 96) if ctx.tiny else (16384, 3072)
@@ -541,7 +540,7 @@ def profile(ctx: Context) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
     batches = {k: _seqs(4, 8, s.vocab, prompt, comp, k) for k in (0, *range(1, ctx.steps + 1), 97, 98, 99, 102, 103, 104)}
     batch = batches.__getitem__  # built before the timing
-    step = lambda k: update_policy(forward, opt, batch(k), 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k, ranks)  # noqa: E731
+    step = functools.partial(_one_step, forward, opt, batch, cfg, ctx.device, ranks)
     r = {"head_chunk_auto": grpo.logit_chunk(s.vocab, ctx.device)}
     auto = grpo.logit_chunk
     for name, checkpointing, chunk, compile_it in (
