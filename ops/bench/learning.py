@@ -79,6 +79,11 @@ ARMS: dict[str, list[str]] = {
     # more buckets, a narrower one concentrates them on k = K/2
     "sigma_1.5": ["exgrpo.enabled=true", "exgrpo.sigma=1.5"],
     "sigma_0.5": ["exgrpo.enabled=true", "exgrpo.sigma=0.5"],
+    # the paper's "hard-biased" sampler, mu 0.25 of K in accuracy units: bucket 2 of 8 in the count units
+    # the sampler works in
+    "mu_0.25": ["exgrpo.enabled=true", "exgrpo.mu=2.0"],
+    # both selections off together (Table 6): questions uniformly from the buffer, a random stored trajectory
+    "no_selection": ["exgrpo.enabled=true", "exgrpo.question_weighting=uniform", "exgrpo.selection=random"],
 }
 SCENARIOS: dict[str, list[str]] = {
     "demo": [],  # the demo's warm start and learning rate: partly solved questions, pass rates over 0..1
