@@ -33,7 +33,7 @@ def test_heldout_draw_refuses_a_kind_it_cannot_fill():
 @pytest.mark.parametrize("name", sorted(learning.ARMS))
 def test_every_arm_loads_and_sets_what_it_names(name):
     # a typo in an arm surfaces here, not an hour into a bench invocation as a failed run
-    from exgrpo_async.config import parse_override_value, load_config
+    from exgrpo_async.config import load_config, parse_override_value
 
     for scenario in learning.SCENARIOS:
         cfg = load_config(None, [*learning.SCENARIOS[scenario], *learning.ARMS[name]])
