@@ -30,6 +30,8 @@ first arm's. Writes
     .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json [more.json ...]
         # table and plot again; several files (same --tokens and --eval-every) are merged, the first
         # file's first arm the baseline
+    .venv/bin/python ops/bench/learning.py --report A.json B.json --by-seed --arms grpo,...
+        # one row per seed over those arms' runs: start, final and gain (the question order's share)
 """
 
 from __future__ import annotations
@@ -265,6 +267,21 @@ def analyse(runs: list[dict], tokens: int, every: int) -> dict:
     return out
 
 
+def seed_table(runs: list[dict], tokens: int, every: int) -> str:
+    """Per seed, over every run given (of any arm): held-out sampled at the start and at `tokens`, and
+    the gain from each run's own start (mean ± std, points). Shows how much of a spread is the question
+    order and the starting evaluation's draw (both the seed's), not the arm."""
+    grid = list(range(0, tokens + 1, every))
+    lines = ["| seed | runs | start sampled | final sampled | gain (points) |", "|" + "---|" * 5]
+    for seed in sorted({r["seed"] for r in runs}):
+        curves = [on_grid(r["points"], grid, 1) for r in runs if r["seed"] == seed]
+        start, final = spread([c[0] for c in curves]), spread([c[-1] for c in curves])
+        gain = spread([100 * (c[-1] - c[0]) for c in curves])
+        lines.append(f"| {seed} | {len(curves)} | {start['mean']:.3f} | {final['mean']:.3f} ± {final['std']:.3f} | "
+                     f"{gain['mean']:+.1f} ± {gain['std']:.1f} |")
+    return "\n".join(lines)
+
+
 def health_table(res: dict) -> str:
     lines = ["| arm | draws from k=3..5 (after step 20) | k=3..5 questions offered | buffer questions (end) | "
              "replays per replayed question (mean / max) | top-10 share | replay age (versions) |", "|" + "---|" * 7]
@@ -321,7 +338,17 @@ def main() -> int:
                          "(default 0: the toy test set, 40 per kind)")
     ap.add_argument("--name", help="output file stem (default learning-<scenario>)")
     ap.add_argument("--report", nargs="+", help="re-print the table and plot of finished JSONs (merged)")
+    ap.add_argument("--by-seed", action="store_true",
+                    help="with --report: one row per seed over the runs of --arms in the files, at the smallest "
+                         "--tokens among them (the files must share --scenario and --eval-every)")
     args, extra = ap.parse_known_args()
+    if args.report and args.by_seed:
+        docs = [json.loads(Path(p).read_text()) for p in args.report]
+        if len({(d["eval_every"], d["scenario"]) for d in docs}) != 1:
+            ap.error("--report --by-seed files must share --scenario and --eval-every")
+        runs = [r for d in docs for r in d["runs"] if r["arm"] in args.arms.split(",")]
+        print(seed_table(runs, min(d["tokens"] for d in docs), docs[0]["eval_every"]))
+        return 0
     if args.report:
         docs = [json.loads(Path(p).read_text()) for p in args.report]
         if len({(d["tokens"], d["eval_every"], d["scenario"]) for d in docs}) != 1:

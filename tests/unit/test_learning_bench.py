@@ -1,4 +1,4 @@
-"""ops/bench/learning.py's pure parts: the larger held-out set's draw, and its arms' overrides."""
+"""ops/bench/learning.py's pure parts: the larger held-out set's draw, its arms' overrides, the per-seed table."""
 
 from __future__ import annotations
 
@@ -42,3 +42,13 @@ def test_every_arm_loads_and_sets_what_it_names(name):
             section, field = key.split(".")
             want = parse_override_value(text)
             assert getattr(getattr(cfg, section), field) == (None if want == "none" else want), item
+
+
+def test_seed_table_groups_runs_of_any_arm_by_seed_at_the_shortest_budget():
+    # seed 0: two arms, read at 100 tokens (the second run, longer, is interpolated there); seed 1: one run
+    runs = [{"arm": "a", "seed": 0, "points": [[0, 0.30, 0.5], [100, 0.40, 0.5]]},
+            {"arm": "b", "seed": 0, "points": [[0, 0.30, 0.5], [200, 0.70, 0.5]]},
+            {"arm": "a", "seed": 1, "points": [[0, 0.20, 0.5], [100, 0.25, 0.5]]}]
+    rows = learning.seed_table(runs, 100, 50).splitlines()[2:]
+    assert rows == ["| 0 | 2 | 0.300 | 0.450 ± 0.071 | +15.0 ± 7.1 |",
+                    "| 1 | 1 | 0.200 | 0.250 ± 0.000 | +5.0 ± 0.0 |"]
