@@ -204,15 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging("learner", **logs)
         _sigterm_exits()
         _advertise(args.advertise_host)
-        from learner.main import main as learner_main
-
         if args.resume and not args.run_dir:
             print("exgrpo-async: learner --resume needs --run-dir", file=sys.stderr)
             return 2
+        from exgrpo_async import preflight
         from exgrpo_async.launch import reward_function_loads
 
         cfg = _load(args)
-        return learner_main(cfg, args.run_dir, args.resume) if reward_function_loads(cfg) else 2
+        lead = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads the data and writes the run
+        if not reward_function_loads(cfg) or not preflight.report(preflight.check_learner(cfg, args.run_dir, lead)):
+            return 2
+        from learner.main import main as learner_main
+
+        return learner_main(cfg, args.run_dir, args.resume)
     if args.cmd == "actor":
         setup_logging("actor", str(os.getpid()), **logs)
         _sigterm_exits()

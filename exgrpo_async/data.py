@@ -8,11 +8,13 @@ joined with ", "; an `answer` list or stringified list of strings (rllm Minerva)
 first kept and the rest in meta["alt_answers"]; GSM8K "CoT #### N" keeps N (digit-group commas dropped);
 numbers become strings, integral floats without ".0" (27.0 -> "27"). A bad row raises DataError naming
 file and 1-based row (and line, for JSONL); with skip_bad_rows=True it is logged and listed instead.
+`check_file` reads only a file's first rows the same way (exgrpo_async/preflight.py, before a run starts).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import logging
 import math
@@ -124,21 +126,26 @@ def _parse_row(row: Any) -> tuple[str, list[dict] | None, str, str | None, dict]
 
 
 # ----------------------------------------------------------------------------- files
-def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, row) pairs; location reads "file: row N" (plus "(line L)" for JSONL)."""
+def _iter_rows(path: Path, first: int | None = None) -> Iterator[tuple[str, Any]]:
+    """(location, row) pairs; location reads "file: row N" (plus "(line L)" for JSONL). JSONL is read line
+    by line; `first` (a row count) makes a parquet file read only its first batch of that many rows."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".json", ".parquet"):
         raise DataError(f"{path}: unknown file type {suffix or '(none)'!r}; expected .jsonl, .json or .parquet")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     if suffix == ".jsonl":
-        lines = [(n, text) for n, text in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if text.strip()]
-        for row, (line_no, line) in enumerate(lines, 1):
-            try:
-                obj: Any = json.loads(line)
-            except json.JSONDecodeError as e:  # handed on as the row, so skip_bad_rows can skip it
-                obj = DataError(f"invalid JSON ({e.msg} at column {e.colno})")
-            yield f"{path}: row {row} (line {line_no})", obj
+        with path.open(encoding="utf-8") as f:
+            row = 0
+            for line_no, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                row += 1
+                try:
+                    obj: Any = json.loads(text.rstrip("\n"))
+                except json.JSONDecodeError as e:  # handed on as the row, so skip_bad_rows can skip it
+                    obj = DataError(f"invalid JSON ({e.msg} at column {e.colno})")
+                yield f"{path}: row {row} (line {line_no})", obj
         return
     if suffix == ".json":
         try:
@@ -149,9 +156,48 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
             raise DataError(f"{path}: expected a JSON array of rows, got a {type(rows).__name__}")
     else:
         import pyarrow.parquet as pq
-        rows = pq.read_table(path).to_pylist()
+        if first is None:
+            rows = pq.read_table(path).to_pylist()
+        else:
+            with pq.ParquetFile(path) as pf:
+                batch = next(pf.iter_batches(batch_size=first), None)
+            rows = batch.to_pylist() if batch is not None else []
     for i, obj in enumerate(rows, 1):
         yield f"{path}: row {i}", obj
+
+
+def check_file(path: str | Path, rows: int = 20, skip_bad_rows: bool = False) -> int:
+    """Read the first `rows` rows of `path` as `load_pool` reads them, and return how many are good.
+    DataError (naming the file, and the row) for a file that cannot be read, a bad row among them
+    (with skip_bad_rows, only when none of them is good), or a file without rows."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise DataError(f"{path}: a folder, not a file")
+    good, seen, first_bad = 0, 0, None
+    try:
+        for where, row in itertools.islice(_iter_rows(path, first=rows), rows):
+            seen += 1
+            try:
+                if isinstance(row, DataError):
+                    raise row
+                _parse_row(row)
+                good += 1
+            except DataError as e:
+                if not skip_bad_rows:
+                    raise DataError(f"{where}: {e}") from None
+                first_bad = first_bad or f"{where.removeprefix(f'{path}: ')}: {e}"
+    except DataError:
+        raise
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text") from None
+    except (OSError, ValueError) as e:  # unreadable; pyarrow's errors for a file that is not parquet
+        raise DataError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not seen:
+        raise DataError(f"{path}: no rows")
+    if not good:
+        raise DataError(f"{path}: none of the first {seen} rows is good (data.skip_bad_rows=true skips bad rows, "
+                        f"not a whole file); {first_bad}")
+    return good
 
 
 def load_pool(paths: Sequence[str | Path], skip_bad_rows: bool = False) -> QuestionPool:
