@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENDINGS = ("actor_lost", "lead_busy", "sigterm")
 ABORT_SIGNS = ("terminate called", "Aborted", "Connection closed by peer")
 # the integration tests' toy policy and precision (tests/integration/conftest.py), so its cache is reused
-BASE = [f"toy.cache_dir={Path('~/.cache/exgrpo_async/tests').expanduser()}", "toy.sft_steps=420",
+BASE = [f"toy.cache_dir={Path('~/.cache/exgrpo_async/tests').expanduser()}", "toy.sft_steps=600",
         "learner.questions_per_step=8", "rollout.samples_per_question=4", "rollout.questions_per_request=4",
         "rollout.eval_samples=1", "model.dtype=float32", "learner.mixed_precision=none", "learner.world_size=2",
         "actor.num_actors=1", "metrics.port=none", "transport.actor_timeout_s=10", "transport.heartbeat_s=0.5"]

@@ -1,9 +1,11 @@
 """Shared fixtures of the integration tests that run `exgrpo-async` for real.
 
-`small` is the common set of overrides: a toy policy warm-started once (cached under
-EXGRPO_TEST_TOY_CACHE, default ~/.cache/exgrpo_async/tests, in a folder keyed by the recipe and by
-toy.py's source, so a suite on a reused machine skips the two-minute SFT and never reuses a stale one),
-a small batch, and the precision pinned (fp32 actors and learner: "auto" asks a timing probe, whose
+`small` is the common set of overrides: the demo's warm-started toy policy (installed from the copy the
+package ships, exgrpo_async/toy_shipped.py, under EXGRPO_TEST_TOY_CACHE, default
+~/.cache/exgrpo_async/tests, in a folder keyed by the recipe; were the recipe changed without
+rebuilding the shipped copy, the first session builds it: minutes), the held-out set's first 200
+questions (the set the tests were written against; the demo's has 1,000), a small batch, and the
+precision pinned (fp32 actors and learner: "auto" asks a timing probe, whose
 answer can change between two runs compared for equality; the bf16 learner is run explicitly where a
 test says so).
 
@@ -21,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-# long enough for a few correct answers (ExGRPO needs partly solved groups), short for CI: about 120 s
-# on an idle 2-core machine (~3.5 steps/s), and the same policy however loaded the machine is
-SFT_STEPS = 420
+# the demo's warm start, which the package ships (a second's install, no SFT); a few correct answers
+# at least are needed (ExGRPO needs partly solved groups)
+SFT_STEPS = 600
+HELD_OUT_QUESTIONS = 200
 TOY_CACHE = Path(os.environ.get("EXGRPO_TEST_TOY_CACHE", "~/.cache/exgrpo_async/tests")).expanduser()
 PINNED_PRECISION = ["model.dtype=float32", "learner.mixed_precision=none"]
 
@@ -80,6 +83,18 @@ def toy() -> Path:
 
 
 @pytest.fixture(scope="session")
-def small(toy) -> list[str]:
+def held_out(toy, tmp_path_factory) -> Path:
+    """The toy held-out set's first HELD_OUT_QUESTIONS questions (its first pass over the five kinds)."""
+    from exgrpo_async.config import load_config
+    from exgrpo_async.launch import resolve_toy
+
+    full = Path(resolve_toy(load_config(None, TOY)).data.eval_file)
+    out = tmp_path_factory.mktemp("held-out") / "held-out.jsonl"
+    out.write_text("".join(full.read_text().splitlines(keepends=True)[:HELD_OUT_QUESTIONS]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def small(toy, held_out) -> list[str]:
     return [*TOY, "learner.questions_per_step=8", "rollout.samples_per_question=4", "rollout.questions_per_request=4",
-            "rollout.eval_samples=1", *PINNED_PRECISION]
+            "rollout.eval_samples=1", f"data.eval_file={held_out}", *PINNED_PRECISION]
