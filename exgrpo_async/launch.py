@@ -4,7 +4,8 @@ The learner and every actor are separate OS processes started exactly as a user 
 several hosts (`exgrpo-async learner` / `exgrpo-async actor --learner ADDR [--keys DIR]`); this launcher only adds
 local conveniences: the toy policy, the run folder, one CPU core per actor, and clean shutdown.
 A custom reward function (`actor.verifier.function`) is imported here first, before anything starts, so a
-typo is one clear line and exit code 2, not actors failing one after another.
+typo is one clear line and exit code 2, not actors failing one after another; so are data files, the model
+folder, the output folder and fixed ports checked (exgrpo_async/preflight.py).
 Shutdown: Ctrl-C or SIGTERM reaches every child (SIGTERM, then SIGKILL after a grace period); children
 also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so no process is orphaned.
 """
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from exgrpo_async import precision
+from exgrpo_async import precision, preflight
 from exgrpo_async.config import RunConfig
 from exgrpo_async.custom_reward import RewardFunctionError, load_reward_function
 from exgrpo_async.layout import balance, resolve
@@ -175,8 +176,8 @@ def reward_function_loads(cfg: RunConfig) -> bool:
 
 
 def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
-    if not reward_function_loads(cfg):
-        return 2
+    if not reward_function_loads(cfg) or not preflight.report(preflight.check(cfg, resume_dir)):
+        return 2  # before the precision probe, the toy policy and any process
     cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))  # a bad plan fails here, before anything starts
     if gpu_plan is not None and not cfg.placement.rehearse:
@@ -319,6 +320,20 @@ def _teardown(children: list[subprocess.Popen], wait_first: bool) -> int:
     return children[0].returncode if children else 1
 
 
+def gain_lines(gain: dict | None) -> list[str]:
+    """The held-out gain after - before, with the standard error of that paired difference (the same
+    questions scored twice: learner/inbox.py paired_gain) and how many of those errors it is."""
+    if not gain:
+        return []
+    out = []
+    for name in ("sampled", "greedy"):
+        d, se = gain[name], gain[f"{name}_se"]
+        ratio = f" = {d / se:+.1f} SE" if se > 0 else ""
+        out.append(f"{'held-out gain, ' + name + ' (paired SE)':38s}{f'{d:+.3f} ± {se:.3f}{ratio}':>20s}"
+                   f"  over {gain[f'{name}_questions']} questions")
+    return out
+
+
 def print_summary(s: dict) -> None:
     before, after = s.get("before") or {}, s.get("after") or {}
     rows = [
@@ -330,6 +345,8 @@ def print_summary(s: dict) -> None:
     print("\n" + f"{'':38s}{'before':>10s}{'after':>10s}")
     for name, b, a in rows:
         print(f"{name:38s}{b:>10s}{a:>10s}")
+    for line in gain_lines(s.get("gain")):
+        print(line)
     curve = s.get("held_out_curve") or []
     if len(curve) > 2:  # evaluations during the run too (learner.eval_every)
         points = ", ".join(f"{p['step']}: {p['accuracy']:.3f}" for p in curve)

@@ -123,6 +123,29 @@ def sampling_error(per_question: list[list[float]]) -> float:
     return math.sqrt(var) / len(per_question) if per_question else 0.0
 
 
+def paired_gain(before: dict, after: dict) -> dict | None:
+    """The held-out gain from `before` to `after`, two evaluations of the same questions (run_eval's
+    per-question accuracies), with the standard error of that paired difference: the spread over
+    questions of each one's own change, over the square root of their number. Pairing takes out how
+    hard the questions are, which the difference of two unpaired means would count twice. None when
+    either lacks per-question figures (a run resumed from an older checkpoint)."""
+    out: dict = {}
+    for key, name in (("per_question", "sampled"), ("per_question_greedy", "greedy")):
+        b, a = before.get(key), after.get(key)
+        if not b or not a or len(a) != len(b):
+            return None
+        d = [y - x for x, y in zip(b, a) if x is not None and y is not None]
+        if not d:
+            return None
+        out[name], out[f"{name}_se"], out[f"{name}_questions"] = sum(d) / len(d), standard_error(d), len(d)
+    return out
+
+
+def without_per_question(ev: dict) -> dict:
+    """An evaluation without its per-question lists (for metrics.jsonl's rows)."""
+    return {k: v for k, v in ev.items() if k not in ("per_question", "per_question_greedy")}
+
+
 def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunConfig, version: int) -> dict:
     """Score the held-out set (question i from data source `sources[i]`) with the weights of `version`:
     avg@n sampled and greedy accuracy, overall and per source, and the best-weights score."""
@@ -137,6 +160,8 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
     sampled = [r for it, g in inbox.eval if it.temperature > 0 for r in g.rewards]
     greedy = [r for it, g in inbox.eval if it.temperature == 0 for r in g.rewards]
     per_question = [[float(r) for r in g.rewards] for it, g in inbox.eval if it.temperature > 0 and g.rewards]
+    by_qid = {it.question_id: float(sum(g.rewards)) / len(g.rewards) for it, g in inbox.eval if it.temperature > 0 and g.rewards}
+    greedy_by_qid = {it.question_id: float(g.rewards[0]) for it, g in inbox.eval if it.temperature == 0 and g.rewards}
     per_source: dict[str, list[float]] = {}
     for it, g in inbox.eval:
         if it.temperature > 0:
@@ -148,7 +173,9 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
             "accuracy_se": standard_error([sum(r) / len(r) for r in per_question]),
             "accuracy_sampling_se": sampling_error(per_question), "greedy_accuracy_se": standard_error(greedy),
             "questions": n_questions, "by_source": by_source, "score": source_score(by_source, cfg.learner.best_exclude_sources),
-            "versions": sorted(versions), "seconds": time.time() - t0}
+            "versions": sorted(versions), "seconds": time.time() - t0,
+            # each question's accuracy by question id, for the paired gain (paired_gain); summary.json only
+            "per_question": [by_qid.get(q) for q in qids], "per_question_greedy": [greedy_by_qid.get(q) for q in qids]}
 
 
 def question_books(dispatcher: Dispatcher, inbox: Inbox, server: LearnerServer) -> dict:

@@ -28,7 +28,7 @@ from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read
                                 unpack_ragged)
 from learner.dispatch import Dispatcher, WorkItem
 from learner.experience import Experience
-from learner.inbox import Inbox, fill_batch, question_books, run_eval
+from learner.inbox import Inbox, fill_batch, paired_gain, question_books, run_eval, without_per_question
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import pick_device, save_policy
 from learner.policy import Policy
@@ -278,7 +278,7 @@ class Shell:
         if self.eval_pool and not self.resumed and self.cfg.learner.eval_before:
             self.summary["before"] = self._eval(self.version)
             self.trackers.log_eval(0, self.summary["before"])
-            log.info("held-out before: %s", self.summary["before"])
+            log.info("held-out before: %s", without_per_question(self.summary["before"]))
         self.t_start = time.time()
 
     @staticmethod
@@ -317,7 +317,8 @@ class Shell:
         ev = self._eval(self.version)
         self._next_eval_tokens = self._after(self.totals["tokens"], self.cfg.learner.eval_every_tokens)
         self.metrics_f.write(json.dumps({"step": step, "policy_version": self.version,
-                                         "tokens_generated_total": self.totals["tokens"], "eval": ev}) + "\n")
+                                         "tokens_generated_total": self.totals["tokens"],
+                                         "eval": without_per_question(ev)}) + "\n")
         self.metrics_f.flush()
         self.trackers.log_eval(step, ev)
         self.keep_if_best(step, ev)
@@ -388,6 +389,8 @@ class Shell:
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
             "data_rows_skipped": self.rows_skipped,  # bad rows of the train and eval files (data.skip_bad_rows)
             "held_out_curve": held_out_curve(self.run_dir / "metrics.jsonl", self.summary, last_step),
+            "gain": paired_gain(self.summary["before"], self.summary["after"])
+            if self.summary["before"] and self.summary["after"] else None,
             **idle_medians(self._idle),
             "final_model": str(self.run_dir / "final"),
         })

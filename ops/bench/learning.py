@@ -14,7 +14,7 @@ goes through it about twice within the budget, as the paper's runs go through th
 prunes the later epochs). The arm "no_replay" (ExGRPO at rho 0: its retirement, nothing replayed) beside
 "grpo" and "exgrpo" shows the replay's own share of a difference.
 
-The held-out set is the toy test set (200 questions) unless `--heldout-per-kind N` asks for N questions of
+The held-out set is the toy test set (1,000 questions; 200 before 2026-11-28) unless `--heldout-per-kind N` asks for N questions of
 each kind drawn apart from the training pool and the test set (the same questions for every arm and seed).
 Each evaluation records two standard errors (learner/inbox.py): over questions (the population's
 accuracy) and from the samples alone (questions fixed: the noise between two arms scored on the same set).
@@ -165,6 +165,7 @@ def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: 
     run_root = out / f"{scenario}-{arm}-s{seed}"
     args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
             f"learner.seed={seed}", f"data.shuffle_seed={seed}", "rollout.seeded=true",
+            "rollout.eval_samples=8",  # avg@8, as every figure of this bench was measured (the demo's default is 2)
             f"learner.max_generated_tokens={tokens}",
             f"learner.eval_every_tokens={every}", "learner.max_steps=100000", "learner.checkpoint_every=0",
             "metrics.port=none", "metrics.actor_port=none", f"output_dir={run_root}", *extra]
