@@ -261,8 +261,9 @@ class LearnerConfig(_Strict):
     layers too without gradient checkpointing; nothing on CPU."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
-    max_steps: int = Field(200, gt=0)
-    """Learner steps (policy versions) to train."""
+    max_steps: int = Field(150, gt=0)
+    """Learner steps (policy versions) to train. The demo's 150 keep its whole run, set-up included,
+    inside 10 minutes on an AVX2-only 2-core CPU (docs/benchmarks.md, "The demo on two classes of CPU")."""
     minibatches_per_step: int = Field(1, gt=0)
     """Optimizer updates per learner step (the paper: 2, i.e. mini-batches of B/2 questions)."""
     micro_batch_sequences: int = Field(64, gt=0)

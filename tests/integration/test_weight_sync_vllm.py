@@ -67,6 +67,8 @@ def hf_logprobs(model, prompt_ids: list[int], completion: list[int]) -> torch.Te
     return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+# each starts a vLLM engine (the first in a process also imports vLLM): 63-102 s on an AVX2-only CPU
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,reload,tp", [("tiny_tied", "prepacked", 1), ("tiny_untied", "prepacked", 1),
                                               ("tiny_tied", "layerwise", 1),
                                               pytest.param("tiny_untied", "prepacked", 2, marks=pytest.mark.slow)])
@@ -122,6 +124,7 @@ def test_plan_buckets_splits_by_size_and_dtype():
     assert meta[2][0][1] == "bfloat16" and meta[1][0][2] == [1024]
 
 
+@pytest.mark.slow
 def test_partial_broadcast_falls_back_to_layerwise(tiny_tied, request):
     """A broadcast that leaves some packed layers without weights cannot be swapped in whole: the worker
     falls back to vLLM's layerwise reload (logged), and the engine still serves exactly the new weights."""

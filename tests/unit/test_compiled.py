@@ -29,6 +29,7 @@ def test_the_setting_resolves_per_device_and_checkpointing():
         compiled.compile_layers(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow  # inductor compiles the learner's regions: 54-77 s on an AVX2-only CPU
 @pytest.mark.timeout(300)
 def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
     """`learner.compile="on"` through the learner's own Policy (its start-up check, two updates of other
