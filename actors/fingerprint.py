@@ -51,10 +51,22 @@ def engine_fingerprint(model: torch.nn.Module) -> dict[str, int] | None:
         if isinstance(mod, (LinearBase, ParallelLMHead)):
             probed.add(name + ".weight")
             add(block_of(name + ".weight"), bitsum(_probe(mod, Row, ParallelLMHead)))
+    dtypes = {name: mod.weight.dtype for name, mod in model.named_modules() if isinstance(mod, LinearBase)}
     for name, p in model.named_parameters():  # tied weights appear once, under the embedding's name
         if name not in probed and (name in shares or rank == 0):
-            add(block_of(name), bitsum(p))
+            add(block_of(name), bitsum(as_published(name, p, dtypes)))
     return out
+
+
+def as_published(name: str, p: torch.Tensor, linear_dtypes: dict[str, torch.dtype]) -> torch.Tensor:
+    """A parameter in the dtype it was published in: a linear layer's bias that vLLM widened to fp32
+    for its packed CPU kernel (bf16 weights on AVX-512-BF16/AMX CPUs, `dispatch_cpu_unquantized_gemm`'s
+    small-GEMM path) goes back to its weight's dtype, exactly (bf16 -> fp32 -> bf16 is lossless)."""
+    owner, _, leaf = name.rpartition(".")
+    dtype = linear_dtypes.get(owner)
+    if leaf == "bias" and dtype is not None and p.dtype != dtype and p.element_size() > torch.empty(0, dtype=dtype).element_size():
+        return p.to(dtype)
+    return p
 
 
 def _probe(mod: torch.nn.Module, Row: type, ParallelLMHead: type) -> torch.Tensor:

@@ -189,6 +189,10 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
                   f"{_num(after.get('greedy_accuracy'))} |",
                   f"| held-out standard error (sampled), before -> after | {_num(before.get('accuracy_se'))} -> "
                   f"{_num(after.get('accuracy_se'))} |"]
+        gain = summary.get("gain")
+        if gain:  # the same questions scored twice: the paired difference's error (learner/inbox.py paired_gain)
+            lines += [f"| held-out gain ({name}) ± paired standard error | {gain[name]:+.3f} ± {gain[name + '_se']:.3f} "
+                      f"over {gain[name + '_questions']} questions |" for name in ("sampled", "greedy")]
         for key in ("rl_seconds", "rollouts_per_s", "tokens_per_s", "sync_seconds_mean", "skipped_steps",
                     "stale_dropped", "actors_joined", "actors_lost", "questions_unaccounted"):
             if key in summary:

@@ -52,6 +52,25 @@ def test_probed_linears_match_an_engine_that_fuses_them():
     assert mismatched(expected(stale), want) == ["m.l.attn"]
 
 
+def test_a_bias_vllm_widened_to_fp32_sums_as_published_and_a_changed_one_still_shows():
+    """On a CPU with AVX-512-BF16 or AMX, vLLM's small-GEMM kernel keeps a bf16 layer's bias in fp32
+    (found here: every bf16 demo's attention blocks mismatched and every group was rejected). The engine
+    side sums it back in its weight's dtype, exactly; a bias whose values changed still differs."""
+    from actors.fingerprint import as_published
+
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(16, generator=g).to(torch.bfloat16)
+    dtypes = {"m.l.attn.qkv_proj": torch.bfloat16}
+    widened = as_published("m.l.attn.qkv_proj.bias", bias.float(), dtypes)
+    assert widened.dtype == torch.bfloat16 and bitsum(widened) == bitsum(bias) != bitsum(bias.float())
+    changed = bias.float().clone()
+    changed[3] += 0.5
+    assert bitsum(as_published("m.l.attn.qkv_proj.bias", changed, dtypes)) != bitsum(bias)
+    norm = torch.randn(16, generator=g)  # not a linear layer's bias: summed as stored
+    assert as_published("m.l.norm.weight", norm, dtypes) is norm
+    assert as_published("m.l.mlp.down_proj.bias", norm, dtypes) is norm  # no such linear: as stored
+
+
 def test_the_publisher_fingerprints_what_it_packed_and_keeps_the_last_few():
     pub = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), 1, 5.0)
     named = [("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8)), ("model.norm.weight", torch.randn(8))]

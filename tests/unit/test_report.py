@@ -183,3 +183,15 @@ def test_the_summary_and_the_final_table_carry_the_held_out_curve(tmp_path, caps
     assert "held-out sampled, by step".ljust(38) + "0: 0.200, 10: 0.300, 20: 0.400, 40: 0.500" in capsys.readouterr().out
     print_summary({**summary, **totals, "held_out_curve": [curve[0], curve[-1]]})  # before and after only
     assert "by step" not in capsys.readouterr().out
+
+
+def test_the_report_quotes_the_paired_gain_when_the_summary_has_one(tmp_path):
+    _long_run(tmp_path)
+    assert "held-out gain" not in write_report(tmp_path).read_text()  # a summary without per-question figures
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["gain"] = {"sampled": 0.1, "sampled_se": 0.013, "sampled_questions": 1000,
+                       "greedy": 0.08, "greedy_se": 0.014, "greedy_questions": 1000}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    text = write_report(tmp_path).read_text()
+    assert "| held-out gain (sampled) ± paired standard error | +0.100 ± 0.013 over 1000 questions |" in text
+    assert "| held-out gain (greedy) ± paired standard error | +0.080 ± 0.014 over 1000 questions |" in text
