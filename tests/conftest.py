@@ -29,7 +29,7 @@ CPU_REPORT_TESTS = 25
 # longest first (from a suite run's durations); then the rest, short files that even out the two
 # workers' ends (ops/test runs each file on one of two pytest-xdist workers).
 RUN_ORDER = [f"tests/{name}.py" for name in (
-    "integration/test_weight_sync_vllm", "unit/test_memory_model", "unit/test_lead_wait",
+    "integration/test_weight_sync_vllm", "unit/test_memory_model", "unit/test_toy_shipped", "unit/test_lead_wait",
     "integration/test_hostile_learner", "integration/test_learner_ranks", "integration/test_stream_engine",
     "integration/test_joins", "unit/test_gpu_check",  # about 200 s without the toy policy
     "integration/test_rehearsal", "integration/test_full_run", "integration/test_faults", "integration/test_soak",

@@ -21,7 +21,7 @@ import pytest
 
 from actors.evaluate import evaluate
 from exgrpo_async.config import load_config
-from exgrpo_async.toy import boxed_int_correct, make_test_set
+from exgrpo_async.toy import FIRST_PASS, boxed_int_correct, make_test_set
 from tests.integration.helpers import cli
 
 pytestmark = pytest.mark.slow  # vLLM engines on the toy policy and a benchmark slice: 1-3 min each
@@ -40,7 +40,7 @@ def test_toy_accuracy_is_measured_against_true_answers_and_a_benchmark_slice(sma
     from exgrpo_async.launch import resolve_toy
 
     cfg = resolve_toy(load_config(None, small))  # builds (or reuses) the session's warm-started toy policy
-    golds = make_test_set(cfg.toy.seed)
+    golds = make_test_set(cfg.toy.seed, per_kind=FIRST_PASS)  # the held-out set's first 200 questions
     toy = write_jsonl(tmp_path / "toy.jsonl", [{"problem": g["problem"], "answer": g["answer"],
                                                 "data_source": g["kind"]} for g in golds])
     files = [toy] + ([MATH500] if MATH500.exists() else [])  # without shared data: the toy half, then a skip

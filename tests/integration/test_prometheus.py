@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow  # a real training run scraped by Prometheus: 2-4 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 MIN_STEPS = 12  # never shorter than the fixed-length run this test had (replay reaches batches by then)
 MAX_STEPS = 300  # a cap: the test ends the run with RUN_DIR/STOP once Prometheus has seen everything
-FREEZE_S = 12.0  # both actors frozen this long: presumed dead after 3 s, so 9 s without any actor
+FREEZE_S = 14.0  # both actors frozen this long: presumed dead after 5 s, so 9 s without any actor
 
 
 def _api(port: int, path: str, **params) -> dict:
@@ -106,7 +106,7 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     out = tmp_path / "runs"
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
     # both actors are frozen (SIGSTOP) for FREEZE_S once they generate: the learner presumes them dead
-    # after 3 s of silence, so no actor is connected and ExgrpoNoActorsConnected must fire; woken, they
+    # after 5 s of silence (3 s let a starting actor be presumed dead beside a busy test on the other core), so no actor is connected and ExgrpoNoActorsConnected must fire; woken, they
     # are told to rejoin (as actor-3 and actor-4) and it must resolve. Each actor process corrupts its
     # third weight load (the fault drill): ExgrpoWeightFingerprintMismatch must fire. Once Prometheus has
     # seen all of it (the rejoined actors' targets up, the first alert resolved, the second fired), the
@@ -114,7 +114,7 @@ def test_prometheus_discovers_and_scrapes_a_training_run(prometheus, small, tmp_
     # scrapes had seen the rejoined actors.
     run = subprocess.Popen(cli(["train", "--log-format", "json", *small, f"learner.max_steps={MAX_STEPS}", "actor.num_actors=2",
                                 f"output_dir={out}", f"metrics.sd_dir={targets_dir}", "exgrpo.enabled=true",
-                                "exgrpo.start_threshold=0.005", "data.eval_file=none", "transport.actor_timeout_s=3",
+                                "exgrpo.start_threshold=0.005", "data.eval_file=none", "transport.actor_timeout_s=5",
                                 "transport.heartbeat_s=0.5", "actor.fault_corrupt_load_at_syncs=[3]"]),
                            stdout=stdout, stderr=stderr)
     seen_targets: dict[str, set] = {}
