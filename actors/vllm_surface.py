@@ -14,8 +14,9 @@ across releases; what follows is not, and was written against vLLM 0.32 (`vllm-c
   `input_size_per_partition`, `num_kv_head_replicas`) that say which share a worker holds;
 - on CPU, the pre-packed swap's internals (actors/cpu_reload.py): the default weight loader, the
   reload metadata's sentinel and records, and the oneDNN ops.
-- on x86, which of its kernel builds vLLM loads (`_C`, `_C_AVX512` or `_C_AVX2`), chosen from
-  `torch.cpu._is_avx512_supported` and `_is_avx512_bf16_supported` (`cap_kernels`).
+- on x86, which of its kernel builds vLLM loads (`_C`, `_C_AVX512` or `_C_AVX2`) and whether it takes
+  its AMX small-GEMM path, chosen from `torch.cpu._is_avx512_supported`, `_is_avx512_bf16_supported`
+  and `_is_amx_tile_supported` (`cap_kernels`).
 `check_version` runs before an engine starts: another minor fails there, with what to install, rather
 than somewhere inside a weight sync.
 """
@@ -60,8 +61,10 @@ def cap_kernels() -> bool:
 
     if not avx2_only():
         return False
-    torch.cpu._is_avx512_supported = lambda: False
-    torch.cpu._is_avx512_bf16_supported = lambda: False
+    for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):  # AMX: vLLM's small-GEMM path
+        if hasattr(torch.cpu, probe):
+            setattr(torch.cpu, probe, lambda: False)
     return True
 
 
