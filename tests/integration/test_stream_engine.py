@@ -52,6 +52,7 @@ def assert_matches(model, tok, prompts, outs, what: str) -> None:
         assert diff < 1e-3, f"log-prob diff {diff} {what}"
 
 
+@pytest.mark.slow  # an AsyncLLM engine: 31 s on an AVX2-only CPU
 def test_in_flight_updates(tiny_tied):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
