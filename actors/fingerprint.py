@@ -42,6 +42,7 @@ def engine_fingerprint(model: torch.nn.Module) -> dict[str, int] | None:
         out[key] = (out.get(key, 0) + value) & MASK
 
     probed: set[str] = set()
+    dtypes: dict[str, torch.dtype] = {}  # each linear layer's weight dtype: its bias is summed in it
     shares: set[str] = set()  # parameters this worker holds a slice of; the others are whole on every worker
     for name, mod in model.named_modules():
         if getattr(mod, "num_kv_head_replicas", 1) > 1:
@@ -50,8 +51,8 @@ def engine_fingerprint(model: torch.nn.Module) -> dict[str, int] | None:
             shares |= {f"{name}.{p}" for p, _ in mod.named_parameters(recurse=False)}
         if isinstance(mod, (LinearBase, ParallelLMHead)):
             probed.add(name + ".weight")
+            dtypes[name] = mod.weight.dtype
             add(block_of(name + ".weight"), bitsum(_probe(mod, Row, ParallelLMHead)))
-    dtypes = {name: mod.weight.dtype for name, mod in model.named_modules() if isinstance(mod, LinearBase)}
     for name, p in model.named_parameters():  # tied weights appear once, under the embedding's name
         if name not in probed and (name in shares or rank == 0):
             add(block_of(name), bitsum(as_published(name, p, dtypes)))
@@ -64,7 +65,7 @@ def as_published(name: str, p: torch.Tensor, linear_dtypes: dict[str, torch.dtyp
     small-GEMM path) goes back to its weight's dtype, exactly (bf16 -> fp32 -> bf16 is lossless)."""
     owner, _, leaf = name.rpartition(".")
     dtype = linear_dtypes.get(owner)
-    if leaf == "bias" and dtype is not None and p.dtype != dtype and p.element_size() > torch.empty(0, dtype=dtype).element_size():
+    if leaf == "bias" and dtype is not None and p.element_size() > dtype.itemsize:
         return p.to(dtype)
     return p
 
