@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from learner import compiled
 from learner.attention import Segments, segments_from_positions, wants_segments
 from learner.packing import to_device
+from learner.working_weights import WorkingWeights, working
 
 
 def group_advantages(rewards: list[float]) -> list[float]:
@@ -44,9 +45,10 @@ class LogProbs(torch.nn.Module):
     its forward gathers the root's parameters (embeddings, final norm, output head, tied or not) once,
     and the decoder layers, each their own unit, gather theirs as they run."""
 
-    def __init__(self, policy: torch.nn.Module, compiled_head: bool = False):
+    def __init__(self, policy: torch.nn.Module, compiled_head: bool = False, working: WorkingWeights | None = None):
         super().__init__()
         self.policy = policy
+        self.working = working  # bf16 working weights (learner/working_weights.py), cast once per update
         self.compile_head(compiled_head)
 
     def compile_head(self, on: bool) -> None:
@@ -62,6 +64,8 @@ class LogProbs(torch.nn.Module):
                 segments: Segments | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         targets = input_ids[:, 1:]
         model = self.policy
+        if self.working is not None:
+            self.working.refresh()  # recasts only what an optimizer update (or a load) changed
         decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
         kw = {"position_ids": position_ids} if position_ids is not None else {}
         if segments is not None:  # learner/attention.py's kernels read them
@@ -78,8 +82,11 @@ class LogProbs(torch.nn.Module):
         chunk_tokens = chunk_tokens or logit_chunk(head.out_features, flat_h.device)
         grad = torch.is_grad_enabled() and flat_h.requires_grad
         logps, ents = [], []
+        # the head's weight for every chunk (its working copy: one bf16 gradient summed over the chunks,
+        # as autocast's one cached cast sums it)
+        weight = working(head.weight, self.working.head_copy(head)) if self.working is not None else head.weight
         for a in range(0, n * t, chunk_tokens):
-            args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], head.weight, head.bias, temperature,
+            args = (flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens], weight, head.bias, temperature,
                     with_entropy)
             lp, en = self.head_grad(*args) if grad else self.head_nograd(*args)
             logps.append(lp)

@@ -93,8 +93,11 @@ def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk:
     layer = (p - root) // s.layers
     state = 16 * p / world
     # the root (embeddings, head) gathered in fp32 (learner/policy.py `shard`), two layers in compute dtype,
-    # and their fp32 gradients unsharded
+    # and their fp32 gradients unsharded; one unsharded rank gathers nothing, but keeps a working copy of
+    # its layers' and head's weights in a 16-bit compute dtype (learner/working_weights.py)
     gathered = 4 * root + 2 * layer * compute_bytes + 4 * root + 4 * 2 * layer
+    if world == 1 and compute_bytes == 2:
+        gathered = compute_bytes * (layer * s.layers + s.vocab * s.hidden)
     acts = step_peak_bytes(s, tokens, path="new", chunk=chunk, compute_bytes=compute_bytes) - 4 * s.params()
     return int((state + gathered + acts) * ALLOCATOR_SLACK + CUDA_CONTEXT)
 
