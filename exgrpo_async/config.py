@@ -254,13 +254,14 @@ class LearnerConfig(_Strict):
     CUDA learner computing in bf16, else "sdpa". A start-up check proves the choice keeps sequences apart."""
     compile: Literal["auto", "on", "head", "off"] = "auto"
     """Compile the learner's model in regions with `torch.compile` (learner/compiled.py): each decoder
-    layer's body, its attention kernel excluded, and the output head's log-prob and entropy, fusing the
+    layer's body, and the output head's log-prob and entropy, fusing the
     memory-bound work between the matrix multiplies (the 1.5B step on an H200: 1.67 s with both compiled
     and no checkpointing, 2.61 s with the head alone compiled and checkpointing, 3.01 s eager with checkpointing;
     docs/benchmarks.md, "Host synchronisations"). The first steps pay the compile (tens of seconds on a
-    GPU). "on": both regions, not with `gradient_checkpointing` (refused: a layer's recompute may run
-    another graph than its forward); "head": the head alone; "auto": on a CUDA learner the head, and the
-    layers too without gradient checkpointing; nothing on CPU."""
+    GPU). With `gradient_checkpointing` a layer is compiled whole with its checkpoint inside its graph
+    (selective: the attention's output kept), which needs attention "varlen" or "per_sequence". "on":
+    both regions; "head": the head alone; "auto": on a CUDA learner the head, and the layers too (under
+    checkpointing with a traceable attention backend only); nothing on CPU."""
     questions_per_step: int = Field(32, gt=0)
     """B: questions (groups of K) per learner step."""
     max_steps: int = Field(150, gt=0)
@@ -591,9 +592,11 @@ class RunConfig(_Strict):
             raise ValueError("data.train_files is empty: give at least one training file (or use model.path='toy')")
         if self.learner.questions_per_step % self.learner.minibatches_per_step:
             raise ValueError("learner.questions_per_step must be divisible by learner.minibatches_per_step")
-        if self.learner.compile == "on" and self.learner.gradient_checkpointing:
-            raise ValueError("learner.compile='on' needs learner.gradient_checkpointing=false: a checkpointed layer's "
-                             "recompute may run another compiled graph than its forward (learner/compiled.py)")
+        L = self.learner
+        if L.compile == "on" and L.gradient_checkpointing and L.attention == "sdpa":
+            raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true needs learner.attention "
+                             "'per_sequence', 'varlen' or 'auto' (a checkpointed layer is compiled whole, and the "
+                             "'sdpa' path builds its packed mask on the host: learner/compiled.py)")
         return self
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 BACKENDS = ("auto", "sdpa", "varlen", "per_sequence")
 _REGISTERED = {"varlen": "exgrpo_varlen", "per_sequence": "exgrpo_per_sequence"}
+_TRACEABLE = "_traced"  # the name's suffix for a kernel's traceable variant (`_traceable`)
 
 
 class Segments(NamedTuple):
@@ -98,16 +99,23 @@ def resolve(setting: str, device: torch.device, bf16: bool) -> str:
     return setting
 
 
-def use(model: torch.nn.Module, backend: str) -> None:
-    """Make `model` (a transformers model) run attention with `backend` (a resolved one)."""
+def use(model: torch.nn.Module, backend: str, traceable: bool = False) -> None:
+    """Make `model` (a transformers model) run attention with `backend` (a resolved one); `traceable`: its
+    variant with no host reads, which a compiler keeps in the layer's graph (`_traceable`, below)."""
     if backend == "sdpa":
+        if traceable:
+            raise ValueError("learner.attention='sdpa' with layers compiled under checkpointing: transformers' "
+                             "sdpa path builds its packed mask on the host; use 'per_sequence' or 'varlen'")
         model.config._attn_implementation = "sdpa"
         return
     from transformers import AttentionInterface
 
-    AttentionInterface.register(_REGISTERED["varlen"], varlen_attention)
-    AttentionInterface.register(_REGISTERED["per_sequence"], per_sequence_attention)
-    model.config._attn_implementation = _REGISTERED[backend]
+    for name, fn in (("varlen", varlen_attention), ("per_sequence", per_sequence_attention)):
+        AttentionInterface.register(_REGISTERED[name], fn)
+        AttentionInterface.register(_REGISTERED[name] + _TRACEABLE, _traceable(name))
+    if backend == "varlen":
+        _varlen_params()  # here, not inside a compiled layer's trace
+    model.config._attn_implementation = _REGISTERED[backend] + (_TRACEABLE if traceable else "")
 
 
 def wants_segments(model: torch.nn.Module) -> bool:
@@ -115,7 +123,7 @@ def wants_segments(model: torch.nn.Module) -> bool:
     one of the kernels here, which need its packed rows' `Segments`."""
     policy = getattr(model, "policy", model)
     impl = getattr(getattr(policy, "config", None), "_attn_implementation", None)
-    return impl in _REGISTERED.values()
+    return impl is not None and impl.removesuffix(_TRACEABLE) in _REGISTERED.values()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -134,29 +142,36 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 _VARLEN_PARAMS: frozenset[str] | None = None
+_VARLEN_ATTN = None  # torch.nn.attention.varlen.varlen_attn, once `_varlen_params` has read it
 
 
 def _varlen(q, k, v, cu, max_len: int, scale: float | None):
     """`varlen_attn` causal within segments, across the PyTorch releases' two signatures (is_causal in
     2.10, window_size later) and with or without native grouped-query attention."""
-    global _VARLEN_PARAMS
-    from torch.nn.attention.varlen import varlen_attn
-
-    if _VARLEN_PARAMS is None:
-        _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
-    kw = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+    params = _varlen_params()  # no import or inspection here: a compiled layer traces this function
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if scale is not None:
-        if "scale" in _VARLEN_PARAMS:
+        if "scale" in params:
             kw["scale"] = scale
         elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
             raise ValueError("this PyTorch's varlen_attn has no scale argument and the model's is not 1/sqrt(d)")
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def _varlen_params() -> frozenset[str]:
+    """`varlen_attn`'s parameter names (read once, eagerly: `use` reads them before anything is compiled)."""
+    global _VARLEN_PARAMS, _VARLEN_ATTN
+    if _VARLEN_PARAMS is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_PARAMS, _VARLEN_ATTN = frozenset(inspect.signature(varlen_attn).parameters), varlen_attn
+    return _VARLEN_PARAMS
 
 
 def _whole_rows(query: torch.Tensor) -> Segments:
@@ -191,6 +206,43 @@ def per_sequence_attention(module, query, key, value, attention_mask, scaling=No
     parts = [F.scaled_dot_product_attention(q[:, a:z], k[:, a:z], v[:, a:z], is_causal=True, scale=scaling)
              for a, z in zip(seg.bounds, seg.bounds[1:])]
     return torch.cat(parts, dim=1).transpose(0, 1).reshape(b, n, hq, d), None
+
+
+# ------------------------------------------------------------------------ the traceable variants
+# A layer compiled with its activation checkpoint inside its graph (learner/compiled.py, "under
+# checkpointing") cannot break its graph at the attention kernel, as the functions above do (they read
+# the segments' boundaries on the host). Their traceable variants read nothing on the host:
+# - varlen: the same kernel (torch's `varlen_attn` is a custom operator the compiler keeps whole), with the
+#   row width as the longest-segment bound (the kernel's grid: blocks past a segment's end do nothing);
+# - per_sequence: one SDPA call per row with a block-diagonal causal mask built on the device from the
+#   segments (the CPU rehearsal's kernel; W^2 work per row, as "sdpa" does).
+
+def _traceable(backend: str):
+    """A transformers attention function for `backend` with no host reads (no graph break)."""
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+               packed_segments: Segments | None = None, **_):
+        if sliding_window is not None:
+            raise ValueError(f"learner.attention={backend!r} does not implement sliding-window layers; use 'sdpa'")
+        b, hq, n, d = query.shape
+        if packed_segments is None:  # right-padded rows: each row one causal sequence
+            cu = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=query.device)
+        else:
+            cu = packed_segments.cu_seqlens
+        if backend == "varlen":  # v: bf16 from its projection under autocast (q and k: fp32 after rotary)
+            dt = value.dtype if value.dtype in (torch.bfloat16, torch.float16) else _compute_dtype(query)
+            out = _varlen(_flat(query).to(dt), _flat(key).to(dt), _flat(value).to(dt), cu, n, scaling)
+            return out.view(b, n, hq, d), None
+        token = torch.arange(b * n, dtype=cu.dtype, device=query.device)
+        seq = torch.searchsorted(cu[1:], token, right=True).view(b, n)  # each token's segment
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        mask = (seq.unsqueeze(-1) == seq.unsqueeze(-2)) & causal  # (B, n, n)
+        k, v = key, value
+        if k.shape[1] != hq:
+            k, v = k.repeat_interleave(hq // k.shape[1], dim=1), v.repeat_interleave(hq // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask.unsqueeze(1), scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    attend.__name__ = f"{backend}_traceable_attention"
+    return attend
 
 
 @torch.no_grad()

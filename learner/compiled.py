@@ -13,19 +13,23 @@ their softmax for log-probs and entropy). `torch.compile` fuses those into few k
 "auto" on a CUDA learner compiles the head, and the layers too unless they are checkpointed; on CPU it
 compiles nothing (minutes of compiling for the toy's seconds of work). "head": the head alone; "on": both.
 
-The layers not with gradient checkpointing: the layer's graph breaks at the attention kernel, so the
-checkpoint cannot go inside it as the head's does; a checkpointed layer's recompute must then run the
-graph its forward ran, and the compiler picks a graph per call from a cache (the newest whose guards hold). On an H200 with torch
-2.11 a recompute ran another graph than its forward and `torch.utils.checkpoint` stopped the step
-(CheckpointError: the recomputed saved tensors differed; docs/benchmarks.md, "Compiled regions"). So
-"on" with `learner.gradient_checkpointing` is refused and "auto" leaves such a learner's layers eager. The
-head is safe either way (its checkpoint is its own graph's), and pays where checkpointing stays: the 1.5B step with gradient
-checkpointing on an H200 took 2.61 s with the head alone compiled against 3.01 s eager.
+The layers under gradient checkpointing: the checkpoint goes inside each layer's graph (torch.compile's own
+activation checkpointing: the backward graph recomputes the layer, so the recompute is the forward's own
+graph). HF's wrapper, which would checkpoint around the compiled call, is turned off for those layers.
+That needs a layer graph without a break, so the attention runs the kernels' traceable variants
+(learner/attention.py `use(..., traceable=True)`), and the checkpoint is selective: the attention's
+output is saved, everything else recomputed (ops/bench/gpu_check.py measures the step).
+Before (the checkpoint around a compiled layer whose graph broke at the attention kernel), a recompute
+picked its graph from the compiler's cache and, on an H200 with torch 2.11, ran another graph than its
+forward (CheckpointError: the recomputed saved tensors differed; docs/benchmarks.md, "Compiled regions").
+"auto" compiles a checkpointed learner's layers only where `CHECKPOINTED_AUTO` says the compiled step has
+been shown to match the eager one (tests/unit/test_compiled.py on CPU; the GPU check on a GPU).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -49,22 +53,39 @@ RECOMPILE_LIMIT = 16  # graphs per compiled function: grad and no-grad passes, i
 # out-of-memory error later, far from its cause); `compile_layers` makes it raise there instead.
 
 
-def resolve(setting: str, device: torch.device, checkpointing: bool) -> Regions:
-    """What `learner.compile` compiles on this device, with or without gradient checkpointing."""
+SHARDED_CHECKPOINTED = ("a sharded layer's norms are FSDP2 units of their own (fp32, as one rank's autocast "
+                        "keeps them: learner/policy.py `shard`), whose hooks break the layer's graph, so its "
+                        "checkpoint cannot go inside it")
+CHECKPOINTED_AUTO = True  # "auto" compiles checkpointed layers on a GPU (matched the eager step: see above)
+
+
+def resolve(setting: str, device: torch.device, checkpointing: bool, attention: str = "per_sequence",
+            sharded: bool = False) -> Regions:
+    """What `learner.compile` compiles on this device, with or without gradient checkpointing, for the
+    resolved `learner.attention` (checkpointed layers need one of learner/attention.py's kernels), on one
+    rank or `sharded` over several (FSDP2: checkpointed layers stay eager, see `SHARDED_CHECKPOINTED`)."""
     if setting not in SETTINGS:
         raise ValueError(f"learner.compile={setting!r}: expected one of {SETTINGS}")
-    if setting == "on" and checkpointing:
-        raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true: a checkpointed layer's "
-                         "recompute may run another compiled graph than its forward (learner/compiled.py); set "
-                         "learner.gradient_checkpointing=false where the memory allows, or learner.compile='auto' "
-                         "(the head alone then)")
+    traceable = attention != "sdpa"
+    if setting == "on" and checkpointing and not traceable:
+        raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true and learner.attention="
+                         "'sdpa': a checkpointed layer is compiled whole, and transformers' sdpa path builds its "
+                         "packed mask on the host; set learner.attention to 'per_sequence' or 'varlen' (or 'auto' "
+                         "on a GPU in bf16)")
+    if setting == "on" and checkpointing and sharded:
+        raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true on several learner ranks: "
+                         + SHARDED_CHECKPOINTED + "; use learner.compile='auto' (the head alone there)")
     auto = setting == "auto" and device.type == "cuda"
-    return Regions(layers=setting == "on" or (auto and not checkpointing), head=setting in ("on", "head") or auto)
+    layers_auto = auto and (not checkpointing or (CHECKPOINTED_AUTO and traceable and not sharded))
+    return Regions(layers=setting == "on" or layers_auto, head=setting in ("on", "head") or auto)
 
 
-def compile_layers(model: torch.nn.Module) -> int:
+def compile_layers(model: torch.nn.Module, checkpointed: bool = False) -> int:
     """Compile the `forward` of each decoder layer of `model` (a transformers causal LM) in place; returns
-    how many. Call before the first forward; idempotent."""
+    how many. `checkpointed`: with the layer's activation checkpoint inside its graph (selective: the
+    attention's output saved), HF's checkpointing of the layer turned off; the model must run one of
+    learner/attention.py's traceable kernels (`attention.use(..., traceable=True)`). Call before the
+    first forward; idempotent."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers: learner.compile has no regions to compile")
@@ -72,8 +93,45 @@ def compile_layers(model: torch.nn.Module) -> int:
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # an error naming the cause, not a silent eager call
     for layer in layers:
         if "forward" not in vars(layer):  # the class's forward, bound to this layer, compiled
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            fn = functools.partial(_checkpointed, layer.forward) if checkpointed else layer.forward
+            layer.forward = torch.compile(fn, dynamic=True)
+        if checkpointed:
+            layer.gradient_checkpointing = False  # the checkpoint is inside the compiled graph
     return len(layers)
+
+
+def _save_attention(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: keep the attention's output, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _attention_ops() -> frozenset:
+    """The attention kernels' operators (what `_save_attention` keeps): torch's varlen flash operator and
+    the SDPA kernels."""
+    aten = torch.ops.aten
+    ops = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention",
+                                              "_scaled_dot_product_efficient_attention",
+                                              "_scaled_dot_product_cudnn_attention",
+                                              "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, n)}
+    try:
+        importlib.import_module("torch.nn.attention.varlen")  # registers torch_attn::_varlen_attn
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
+    return frozenset(ops)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    """A decoder layer's forward under (selective) activation checkpointing, for compiling whole."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _save_attention), **kwargs)
 
 
 @functools.cache

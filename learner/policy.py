@@ -1,6 +1,7 @@
 """The trained policy on this learner rank, and the operations all ranks run on it together.
 
-fp32 master weights and AdamW state; compute in bf16 under autocast with `learner.mixed_precision="bf16"`.
+fp32 master weights and AdamW state; compute in bf16 under autocast with `learner.mixed_precision="bf16"`,
+one rank's matmul weights cast to bf16 once per optimizer update (learner/working_weights.py).
 With `learner.world_size` > 1 the model is sharded with FSDP2 (`fully_shard` on every decoder layer, then
 on the `LogProbs` root that holds embeddings, final norm and output head; with bf16 the layers' linear
 weights are gathered in bf16 and the rest in fp32, as one rank's autocast computes: `shard`; fp32
@@ -39,6 +40,7 @@ from learner.packing import micro_batches
 from learner.ranks import Ranks, split_by_tokens
 from learner.replay import score_trajectories
 from learner.update import Seq, StepSettings, UpdateResult, update_policy
+from learner.working_weights import WorkingWeights
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -104,14 +106,19 @@ class Policy:
             self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)
         self.bf16 = L.mixed_precision == "bf16"
         self.attention = attention.resolve(L.attention, device, self.bf16)
-        attention.use(self.model, self.attention)
+        self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing, self.attention, ranks.world > 1)
+        # checkpointed layers compiled whole: the checkpoint in their graph, the attention one traceable op
+        in_graph = self.compiled.layers and L.gradient_checkpointing
+        attention.use(self.model, self.attention, traceable=in_graph)
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing)
         if self.compiled.layers:
-            compiled.compile_layers(self.model)
+            compiled.compile_layers(self.model, checkpointed=in_graph)
+        # one rank computing in bf16: its matmuls' weights cast once per update (learner/working_weights.py);
+        # sharded ranks gather theirs in bf16 (`shard`)
+        self.working = WorkingWeights(self.model) if self.bf16 and ranks.world == 1 else None
         self.forward = (shard(self.model, L.mixed_precision, self.compiled.head) if ranks.world > 1
-                        else LogProbs(self.model, self.compiled.head))
+                        else LogProbs(self.model, self.compiled.head, self.working))
         if ranks.world > 1:
             receive_weights(self.model, cfg.model.path, ranks, device)
         # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
