@@ -53,17 +53,13 @@ RECOMPILE_LIMIT = 16  # graphs per compiled function: grad and no-grad passes, i
 # out-of-memory error later, far from its cause); `compile_layers` makes it raise there instead.
 
 
-SHARDED_CHECKPOINTED = ("a sharded layer's norms are FSDP2 units of their own (fp32, as one rank's autocast "
-                        "keeps them: learner/policy.py `shard`), whose hooks break the layer's graph, so its "
-                        "checkpoint cannot go inside it")
-CHECKPOINTED_AUTO = True  # "auto" compiles checkpointed layers on a GPU (matched the eager step: see above)
+CHECKPOINTED_AUTO = True  # "auto" compiles checkpointed layers on a GPU: they matched the eager step on CPU
+# (tests/unit/test_compiled.py) and on an H200, one rank and FSDP2 (docs/benchmarks.md, issue 51: 5e-4, 8e-4)
 
 
-def resolve(setting: str, device: torch.device, checkpointing: bool, attention: str = "per_sequence",
-            sharded: bool = False) -> Regions:
+def resolve(setting: str, device: torch.device, checkpointing: bool, attention: str = "per_sequence") -> Regions:
     """What `learner.compile` compiles on this device, with or without gradient checkpointing, for the
-    resolved `learner.attention` (checkpointed layers need one of learner/attention.py's kernels), on one
-    rank or `sharded` over several (FSDP2: checkpointed layers stay eager, see `SHARDED_CHECKPOINTED`)."""
+    resolved `learner.attention` (checkpointed layers need one of learner/attention.py's kernels)."""
     if setting not in SETTINGS:
         raise ValueError(f"learner.compile={setting!r}: expected one of {SETTINGS}")
     traceable = attention != "sdpa"
@@ -72,11 +68,8 @@ def resolve(setting: str, device: torch.device, checkpointing: bool, attention: 
                          "'sdpa': a checkpointed layer is compiled whole, and transformers' sdpa path builds its "
                          "packed mask on the host; set learner.attention to 'per_sequence' or 'varlen' (or 'auto' "
                          "on a GPU in bf16)")
-    if setting == "on" and checkpointing and sharded:
-        raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true on several learner ranks: "
-                         + SHARDED_CHECKPOINTED + "; use learner.compile='auto' (the head alone there)")
     auto = setting == "auto" and device.type == "cuda"
-    layers_auto = auto and (not checkpointing or (CHECKPOINTED_AUTO and traceable and not sharded))
+    layers_auto = auto and (not checkpointing or (CHECKPOINTED_AUTO and traceable))
     return Regions(layers=setting == "on" or layers_auto, head=setting in ("on", "head") or auto)
 
 

@@ -86,8 +86,11 @@ def step_peak_bytes(s: Shape, tokens: int, layers: int | None = None, path: str 
     return grads + boundaries + one_layer + head
 
 
-def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk: int = 512) -> int:
-    """Peak memory of one learner GPU: sharded state, gathered parameters, activations, overheads."""
+def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk: int = 512,
+               sharded: bool | None = None) -> int:
+    """Peak memory of one learner GPU: sharded state, gathered parameters, activations, overheads.
+    `sharded` (default: world > 1): the model under FSDP2, as on several ranks (the GPU check runs FSDP2
+    on one); else one plain rank."""
     p = s.params()
     root = s.vocab * s.hidden * (1 if s.tied else 2)
     layer = (p - root) // s.layers
@@ -96,7 +99,7 @@ def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk:
     # and their fp32 gradients unsharded; one unsharded rank gathers nothing, but keeps a working copy of
     # its layers' and head's weights in a 16-bit compute dtype (learner/working_weights.py)
     gathered = 4 * root + 2 * layer * compute_bytes + 4 * root + 4 * 2 * layer
-    if world == 1 and compute_bytes == 2:
+    if not (world > 1 if sharded is None else sharded) and compute_bytes == 2:
         gathered = compute_bytes * (layer * s.layers + s.vocab * s.hidden)
     acts = step_peak_bytes(s, tokens, path="new", chunk=chunk, compute_bytes=compute_bytes) - 4 * s.params()
     return int((state + gathered + acts) * ALLOCATOR_SLACK + CUDA_CONTEXT)

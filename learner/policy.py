@@ -27,6 +27,7 @@ import logging
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -51,10 +52,13 @@ def shard(model: torch.nn.Module, mixed_precision: str, compiled_head: bool = Fa
     With bf16 the ranks compute as one rank does under autocast (learner/grpo.py), so 1 and N ranks
     train alike: a layer's linear weights and biases are gathered in bf16 (autocast would cast them
     to bf16 for each matmul: the same rounding), while its norms, the embeddings and the head stay fp32
-    (units of their own with no cast; autocast leaves a norm's weight fp32 and casts the head for its
-    matmul) and the residual stream stays fp32 (`cast_forward_inputs=False`). Gradients are reduced in
-    fp32. FSDP2's usual bf16 policy instead casts every parameter and each layer's input to bf16: the
-    loss of a one-step run differed by 5% between 1 and 2 ranks."""
+    (autocast leaves a norm's weight fp32 and casts the head for its matmul) and the residual stream
+    stays fp32 (`cast_forward_inputs=False`). Gradients are reduced in fp32. FSDP2's usual bf16 policy
+    instead casts every parameter and each layer's input to bf16: the loss of a one-step run differed by
+    5% between 1 and 2 ranks. The layers' norms are replicated, not sharded (FSDP2 ignores them: a few
+    KB a layer): a unit of their own would put FSDP2's hooks inside the layer, where they break a
+    compiled layer's graph. learner/update.py sums their gradients over the ranks (`sum_replicated_grads`)
+    and `param_groups` gives them an optimizer group of their own (plain tensors beside DTensors)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -64,16 +68,25 @@ def shard(model: torch.nn.Module, mixed_precision: str, compiled_head: bool = Fa
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
           if mixed_precision == "bf16" else fp32)
     for layer in layers:
-        if mixed_precision == "bf16":
-            for norm in [m for m in layer.modules() if _is_norm(m)]:
-                fully_shard(norm, mp_policy=fp32)
-        fully_shard(layer, mp_policy=mp)
+        norms = {p for m in layer.modules() if _is_norm(m) for p in m.parameters()}
+        fully_shard(layer, mp_policy=mp, ignored_params=norms if mixed_precision == "bf16" else None)
     root = fully_shard(LogProbs(model, compiled_head), mp_policy=fp32)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss is on the global scale
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return root
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """The optimizer's parameter groups: the sharded parameters (DTensors), and the replicated ones (plain
+    tensors: a sharded bf16 learner's layer norms, `shard`) in a group of their own, since one fused or
+    foreach update cannot take both. A checkpoint's optimizer state is keyed by parameter name, so it
+    loads into either grouping (1 rank or N)."""
+    params = list(model.parameters())
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (sharded, plain) if g]
 
 
 def receive_weights(model: torch.nn.Module, path: str, ranks: Ranks, device: torch.device) -> None:
@@ -106,7 +119,7 @@ class Policy:
             self.model, self.tokenizer = load_policy(cfg.model.path, "float32", device)
         self.bf16 = L.mixed_precision == "bf16"
         self.attention = attention.resolve(L.attention, device, self.bf16)
-        self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing, self.attention, ranks.world > 1)
+        self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing, self.attention)
         # checkpointed layers compiled whole: the checkpoint in their graph, the attention one traceable op
         in_graph = self.compiled.layers and L.gradient_checkpointing
         attention.use(self.model, self.attention, traceable=in_graph)
@@ -122,7 +135,7 @@ class Policy:
         if ranks.world > 1:
             receive_weights(self.model, cfg.model.path, ranks, device)
         # fused: one kernel for the whole update on a GPU (foreach on CPU, where there is no fused kernel to gain)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay,
+        self.opt = torch.optim.AdamW(param_groups(self.model), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay,
                                      fused=device.type == "cuda")
         self.pad_id = self.tokenizer.pad_token_id or 0
         attention.check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)

@@ -263,6 +263,8 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
                     _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
         res.losses.append(mb_loss)
         with Phase(res, "optimizer", device):
+            if ranks.world > 1:
+                sum_replicated_grads(model)
             optimizer_step(model, opt, L, updates_before + res.updates, res)
     read_phases(res)
     finish_result(res)
@@ -398,13 +400,37 @@ def finish_result(res: UpdateResult) -> None:
         res.pi_past = dict(zip(keys, on_host))
 
 
+def sum_replicated_grads(model: torch.nn.Module) -> None:
+    """Sharded ranks: sum over the ranks the gradients of the parameters FSDP2 does not shard (the layers'
+    norms in bf16, learner/policy.py `shard`), in one flat fp32 all-reduce, as FSDP2 sums the others."""
+    params = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    for p, g in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = g.view_as(p).clone()
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `grads`, sharded (DTensors: the whole gradient's, on every rank) or not."""
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    parts = [torch.nn.utils.get_total_norm(sharded, 2.0).full_tensor()] if sharded else []
+    if plain:
+        parts.append(torch.nn.utils.get_total_norm(plain, 2.0))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.linalg.vector_norm(torch.stack(parts), 2.0) if parts else torch.zeros(())
+
+
 def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
     """Clip, check and apply the accumulated gradient (or skip and count it)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0) if params else torch.zeros(())
-    if isinstance(norm, DTensor):  # sharded gradients: the norm of the whole gradient, on every rank
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, L.grad_clip, norm)
+    norm = _total_norm([p.grad for p in params])
+    for group in (p for p in params if isinstance(p, DTensor)), (p for p in params if not isinstance(p, DTensor)):
+        torch.nn.utils.clip_grads_with_norm_(list(group), L.grad_clip, norm)
     gn = float(norm)
     res.norms.append(gn)
     if not math.isfinite(gn) or gn > L.skip_grad_norm:

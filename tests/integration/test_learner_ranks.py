@@ -110,13 +110,24 @@ def _bf16_steps(model: Path, world: int, ranks: Ranks, micro: int) -> list[dict]
     policy = Policy(_cfg(model, world, bf16=True, micro=micro), ranks, torch.device("cpu"))
     if not ranks.lead:
         policy.follow()
+        _replicas(policy, ranks)
         return []
     steps = []
     for step in (0, 1, 2):
         res = policy.update(_seqs(step), N_GROUPS, StepSettings(clip=0.2), step * 2)
         steps.append({"losses": res.losses, "norms": res.norms})
     policy.stop()
+    copies = _replicas(policy, ranks)  # each rank's copy of the parameters it holds whole
+    steps.append({"replicated": len(copies[0]), "replicas_equal": all(c == copies[0] for c in copies)})
     return steps
+
+
+def _replicas(policy: Policy, ranks: Ranks) -> list[dict]:
+    """Every rank's copy of the parameters FSDP2 does not shard (all of them on one rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return ranks.gather({n: p.detach().numpy().tobytes() for n, p in policy.model.named_parameters()
+                         if not isinstance(p, DTensor)})
 
 
 def _run(world: int, model: Path, out: Path, resume: str | None = None, bf16_micros: tuple[int, ...] = ()) -> dict:
@@ -151,6 +162,12 @@ def test_one_bf16_recipe_for_one_and_two_ranks(runs):
         return max(abs(x - y) / max(abs(x), 1e-12) for sa, sb in zip(a, b)
                    for k in ("losses", "norms") for x, y in zip(sa[k], sb[k]))
 
+    # the layers' norms are replicated on 2 ranks (learner/policy.py `shard`), their gradients summed: the
+    # copies stay equal (each rank updating them from its own share of the batch would part them)
+    *one_steps, _ = one["bf16_micro3"]
+    *two_steps, replicas = two["bf16_micro3"]
+    assert replicas["replicated"] == 8 and replicas["replicas_equal"], replicas  # 4 layers x 2 norms
+    one["bf16_micro3"], two["bf16_micro3"], one["bf16_micro5"] = one_steps, two_steps, one["bf16_micro5"][:-1]
     reference = gap(one["bf16_micro3"], one["bf16_micro5"])
     assert len(one["bf16_micro3"]) == len(two["bf16_micro3"]) == 3
     assert 0 < reference < 0.01  # bf16 rounding shows between micro-batchings, and stays small
