@@ -14,14 +14,17 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
  6. head       the output head over 16k positions at chunk sizes 512-4096: ms and peak memory
  7. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
-               do), sdpa against varlen attention, foreach against fused AdamW, eager against compiled
-               regions (learner/compiled.py: layers and head without gradient checkpointing, or the head
-               alone with it): tokens/s, phase times, peak memory against learner/memory_model.py, MFU
-               counted two ways, the compiled variants' warm-up (until a step compiles nothing new)
+               do), sdpa against varlen attention, foreach against fused AdamW, with and without bf16
+               working weights (learner/working_weights.py, "_ww"), eager against compiled regions
+               (learner/compiled.py: layers and head without gradient checkpointing, the head alone with
+               it, or both with the checkpoint inside each layer's graph, "_compiled_ckpt"): tokens/s,
+               phase times, peak memory against learner/memory_model.py, MFU counted two ways, the
+               compiled variants' warm-up (until a step compiles nothing new), and each variant's first
+               step (the same batch) against the eager one's ("match_vs_eager")
  8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
                calls by line and the device's idle time by what launched the kernel after it
-               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON), and a probe of compiled
-               with checkpointing (which learner.compile refuses: its error, if any). Variants measured
+               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON), and the layers compiled
+               under checkpointing (its error, if any: new on a GPU). Variants measured
                before that no config runs go only when `--variants` names them (ON_REQUEST in the sections)
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers

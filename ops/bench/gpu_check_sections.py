@@ -29,9 +29,11 @@ TINY_7B = Shape("tiny (7B stand-in)", 96, 192, 3, 4, 2, 640, False)
 
 # variants run only when `--variants` names them (docs/benchmarks.md has their figures): FSDP2 with the layers
 # compiled and no checkpointing (the 7B config checkpoints), the head at the CPU's 512-position chunk, the
-# step eager without checkpointing (87 GB: no config), the head alone compiled (step_1.5b measures it)
+# step eager without checkpointing (87 GB: no config), the head alone compiled (step_1.5b measures it), the
+# 1.5B config's step without bf16 working weights
 ON_REQUEST = ("fsdp2_varlen_fused_compiled_no_ckpt", "fsdp2_per_sequence_fused_compiled_no_ckpt",
-              "checkpointing_chunk_512", "no_checkpointing_chunk_auto", "compiled_head_checkpointing")
+              "checkpointing_chunk_512", "no_checkpointing_chunk_auto", "compiled_head_checkpointing",
+              "unsharded_varlen_fused_compiled_no_ckpt")  # the last: without working weights, for comparison
 
 
 class Context:
@@ -59,8 +61,7 @@ class Context:
     def wants(self, variant: str) -> bool:
         """Whether a variant of step_1.5b or profile runs: the ones `--variants` names, else all but those
         measured before that no config runs (ON_REQUEST: the check stays within 8 minutes on one GPU)."""
-        return variant in self.variants if self.variants is not None else not any(
-            variant.startswith(p) for p in ON_REQUEST)
+        return variant in self.variants if self.variants is not None else variant not in ON_REQUEST
 
     def partial(self, section: str, figures: dict) -> None:
         """A long section's figures so far, written out before it goes on."""
@@ -387,84 +388,146 @@ def _row_widths(batch: list, cfg, budget: int) -> list[int]:
 
 
 def step_15b(ctx: Context) -> dict:
-    """`update_policy` at the 1.5B shape as configs/qwen2.5-math-1.5b-8gpu.toml trains it (packed 16k
-    rows, 2 mini-batches, gradient checkpointing), on each wrapper, attention backend and AdamW; and
-    compiled (learner/compiled.py), which runs without gradient checkpointing."""
+    """`update_policy` at the 1.5B shape (packed 16k rows, 2 mini-batches) on each wrapper, attention
+    backend and AdamW, with and without bf16 working weights, eager (gradient checkpointing) and compiled
+    (learner/compiled.py: without checkpointing, as configs/qwen2.5-math-1.5b-8gpu.toml trains; the head
+    alone; the layers with their checkpoint inside their graphs)."""
     from learner import attention as att
-    from learner.policy import shard
+    from learner.policy import param_groups, shard
     from learner.grpo import LogProbs
     from learner.ranks import Ranks
-    from learner.update import StepSettings, update_policy
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     budget, max_new = (512, 96) if ctx.tiny else (16384, 3072)
     prompt, comp = ((8, 24), (16, 96)) if ctx.tiny else ((100, 600), (200, 3072))
     cfg = _step_cfg("qwen2.5-math-1.5b-8gpu.toml", budget, max_new)
+    torch._dynamo.config.recompile_limit = 64  # many compiled set-ups in one process (learner/compiled.py: 16)
+    cfg.learner.lr = 1e-30  # the same kernels; updates below any fp32 weight's spacing: weights that never move (`_match`)
     ctx.dist()
     model = _model(s, s.layers, ctx.device, max_positions=budget)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ranks = Ranks(0, 1, ctx.device)
     fast = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
-    variants = [("unsharded", "sdpa", False, False), ("unsharded", fast, False, False), ("unsharded", fast, True, False),
-                ("unsharded", fast, True, True), ("unsharded", fast, True, "head"), ("fsdp2", fast, True, False),
-                ("fsdp2", fast, True, True), ("fsdp2", fast, True, "head")]
+    # (wrapper, attention, fused AdamW, compiled regions, bf16 working weights: learner/working_weights.py,
+    # the unsharded learner's way in bf16)
+    ww = ctx.bf16
+    variants = [("unsharded", "sdpa", False, False, False), ("unsharded", fast, False, False, False),
+                ("unsharded", fast, True, False, False), ("unsharded", fast, True, False, ww),
+                ("unsharded", fast, True, True, False), ("unsharded", fast, True, True, ww),
+                ("unsharded", fast, True, "head", ww), ("unsharded", fast, True, "ckpt", ww),
+                ("fsdp2", fast, True, False, False), ("fsdp2", fast, True, True, False),
+                ("fsdp2", fast, True, "head", False)]
+    if ctx.cuda:  # on CPU (torch 2.13, gloo) FSDP2's compiled checkpointed layers meet an Inductor input
+        # assertion ("expected size 10==2") in the no-grad pass; on the H200 (torch 2.11) they ran and matched
+        variants.append(("fsdp2", fast, True, "ckpt", False))
     r = {"shape": s.name, "budget": budget, "peak_bf16_flops": ctx.peak_flops,
          "memory_model_gb_world1": rank_bytes(s, budget, 1) / 1e9}
     forward = LogProbs(model)
-    # compiled: learner/compiled.py's regions, layers and head without gradient checkpointing (compile refuses
-    # the layers with it), or the head alone with checkpointing (learner.compile "auto" with checkpointing)
-    suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head"}
-    names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{suffix[v[3]]}"  # noqa: E731
-    variants = [v for v in variants if ctx.wants(names(v))]
-    for wrapper, backend, fused, compile_it in variants:
+    # compiled: learner/compiled.py's regions, layers and head without gradient checkpointing, the head
+    # alone with checkpointing, or both with the checkpoint inside each layer's graph ("ckpt": what
+    # learner.compile "auto" runs with checkpointing now)
+    suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head", "ckpt": "_compiled_ckpt"}
+    names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{suffix[v[3]]}{'_ww' if v[4] else ''}"  # noqa: E731
+    variants = list({names(v): v for v in variants if ctx.wants(names(v))}.values())  # on CPU "_ww" is off
+    for wrapper, backend, fused, compile_it, working in variants:
         if wrapper == "fsdp2" and not hasattr(forward, "reshard"):  # the last variants: FSDP2 owns the model now
             model.zero_grad(set_to_none=True)
+            _working(model, forward, False)
             forward = shard(model, "bf16")
+        else:
+            _working(model, forward, working)
         _compiled(model, forward, compile_it)
         if compile_it is True:
             model.gradient_checkpointing_disable()
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        att.use(model, backend)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01,
+        if compile_it == "ckpt":
+            for layer in model.model.layers:  # the checkpoint is inside each compiled layer (learner/compiled.py)
+                layer.gradient_checkpointing = False
+        att.use(model, backend, traceable=compile_it == "ckpt")
+        opt = torch.optim.AdamW(param_groups(model), lr=cfg.learner.lr, betas=(0.9, 0.999), weight_decay=0.01,
                                 fused=fused and ctx.cuda)
         seqs = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
-        name = names((wrapper, backend, fused, compile_it))
-        t_warm = time.perf_counter()
-        warm_ups = _warm_up(ctx, functools.partial(_one_step, forward, opt, seqs, cfg, ctx.device, ranks), compile_it)
-        t_warm = time.perf_counter() - t_warm
-        graphs = _graphs()
-        base = ctx.reset_peak()
-        times, tokens, flops_model, flops_hw, phases = [], 0, 0.0, 0.0, []
-        for k in range(ctx.steps):
-            batch = seqs(k + 1)
-            lengths = [len(q.prompt) + len(q.completion) for q in batch]
-            widths = _row_widths(batch, cfg, budget)
-            ctx.sync()
-            t0 = time.perf_counter()
-            res = update_policy(forward, opt, batch, 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k + 1, ranks)
-            ctx.sync()
-            times.append(time.perf_counter() - t0)
-            tokens += sum(lengths)
-            flops_model += _flops(s, s.layers, lengths, None)
-            flops_hw += _flops(s, s.layers, lengths, widths if backend == "sdpa" else None)
-            phases.append(res.seconds)
-        total = sum(times)
-        pf = ctx.peak_flops
-        r[name] = {"seconds_per_step": total / len(times), "tokens_per_s": tokens / total,
-                   "tokens_per_step": tokens / len(times),
-                   "phases_s": {k: statistics.mean(p[k] for p in phases) for k in phases[0]},
-                   "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
-                   "mfu_6n_causal": flops_model / total / pf if pf else None,
-                   "mfu_as_computed": flops_hw / total / pf if pf else None,
-                   "warm_up_s": t_warm, "warm_up_steps": warm_ups, "compiled_graphs": _graphs(),
-                   "graphs_compiled_while_timed": _graphs() - graphs}
+        name = names((wrapper, backend, fused, compile_it, working))
+        try:
+            r[name] = _timed_step(ctx, s, cfg, forward, opt, seqs, ranks, budget, backend, compile_it)
+        except Exception as e:  # noqa: BLE001 (new on a GPU: its error is the finding; the variants after go on)
+            if compile_it != "ckpt":
+                raise
+            r[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
+            ctx.partial("step_1.5b", r)
+            continue
+        _match(r, name, wrapper)
         ctx.partial("step_1.5b", r)  # written now: a timeout in a later (compiled, slower) variant keeps these
         del opt
         ctx.free()
     _compiled(model, forward, False)
+    _working(model, forward, False)
     ctx.keep["model_15b"] = model
     return r
+
+
+def _timed_step(ctx: Context, s: Shape, cfg, forward, opt, seqs, ranks, budget: int, backend: str,
+                compile_it: bool | str) -> dict:
+    """One step_1.5b variant: warmed up (compiled: until nothing new compiles), then `ctx.steps` timed steps."""
+    from learner.update import StepSettings, update_policy
+
+    t_warm = time.perf_counter()
+    warm_ups = _warm_up(ctx, functools.partial(_one_step, forward, opt, seqs, cfg, ctx.device, ranks), compile_it)
+    t_warm = time.perf_counter() - t_warm
+    graphs = _graphs()
+    base = ctx.reset_peak()
+    times, tokens, flops_model, flops_hw, phases, first = [], 0, 0.0, 0.0, [], None
+    for k in range(ctx.steps):
+        batch = seqs(k + 1)
+        lengths = [len(q.prompt) + len(q.completion) for q in batch]
+        widths = _row_widths(batch, cfg, budget)
+        ctx.sync()
+        t0 = time.perf_counter()
+        res = update_policy(forward, opt, batch, 4, cfg, StepSettings(clip=0.2), ctx.device, 0, k + 1, ranks)
+        ctx.sync()
+        times.append(time.perf_counter() - t0)
+        tokens += sum(lengths)
+        flops_model += _flops(s, s.layers, lengths, None)
+        flops_hw += _flops(s, s.layers, lengths, widths if backend == "sdpa" else None)
+        phases.append(res.seconds)
+        first = first or {"losses": res.losses, "grad_norms": res.norms}
+    total = sum(times)
+    pf = ctx.peak_flops
+    return {"seconds_per_step": total / len(times), "tokens_per_s": tokens / total,
+            "tokens_per_step": tokens / len(times),
+            "phases_s": {k: statistics.mean(p[k] for p in phases) for k in phases[0]},
+            "peak_gb": (ctx.peak() or 0) / 1e9, "peak_above_start_gb": ((ctx.peak() or 0) - base) / 1e9,
+            "mfu_6n_causal": flops_model / total / pf if pf else None,
+            "mfu_as_computed": flops_hw / total / pf if pf else None,
+            "warm_up_s": t_warm, "warm_up_steps": warm_ups, "compiled_graphs": _graphs(),
+            "graphs_compiled_while_timed": _graphs() - graphs,
+            "first_step": first}  # the same batch in every variant: compare them (`_match`)
+
+
+def _match(r: dict, name: str, wrapper: str) -> None:
+    """How far a variant's first timed step (the same batch and weights in every variant) is from the eager
+    step's on the same wrapper: the largest relative difference of its losses and grad norms."""
+    ref = next((v for k, v in r.items() if isinstance(v, dict) and k.startswith(wrapper) and "first_step" in v
+                and k.endswith(("_fused", "_fused_ww"))), None)
+    if ref is None or ref is r[name]:
+        return
+    a, b = r[name]["first_step"], ref["first_step"]
+    r[name]["match_vs_eager"] = max(abs(x - y) / max(abs(y), 1e-12) for key in a for x, y in zip(a[key], b[key]))
+
+
+def _working(model, forward, on: bool) -> None:
+    """bf16 working weights on the unsharded model (learner/working_weights.py), or the plain linear
+    layers back (autocast's casts)."""
+    from learner.working_weights import WorkingWeights
+
+    if on and getattr(forward, "working", None) is None:
+        forward.working = WorkingWeights(model)
+    elif not on and getattr(forward, "working", None) is not None:
+        for m in forward.working.modules:
+            vars(m).pop("forward", None)
+            del m.working_weight
+        forward.working = None
 
 
 def _one_step(forward, opt, seqs, cfg, device, ranks, k: int) -> None:
@@ -490,14 +553,14 @@ def _warm_up(ctx: Context, step, compiled: bool | str) -> int:
 
 def _compiled(model, forward, on: bool | str) -> None:
     """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager;
-    "head": the head alone (its checkpoint inside its graph), the layers eager."""
+    "head": the head alone (its checkpoint inside its graph), the layers eager; "ckpt": both, each layer
+    with its checkpoint inside its graph."""
     from learner import compiled
 
-    if on is True:
-        compiled.compile_layers(model)
-    else:  # the layers eager (a former variant may have compiled them)
-        for layer in model.model.layers:
-            vars(layer).pop("forward", None)
+    for layer in model.model.layers:  # eager first (a former variant may have compiled them another way)
+        vars(layer).pop("forward", None)
+    if on in (True, "ckpt"):
+        compiled.compile_layers(model, checkpointed=on == "ckpt")
     forward.compile_head(bool(on))
 
 
@@ -523,8 +586,8 @@ def profile(ctx: Context) -> dict:
     trains): kernel time by category over one step, eager and compiled, with the step's synchronising calls
     and the device's idle time (ops/bench/gpu_gaps.py); the step compiled without gradient checkpointing;
     on request (ON_REQUEST) the head's chunk at 512 positions, eager without checkpointing and the head
-    alone compiled; and last a probe of what `learner.compile` refuses (compiled and checkpointed: its
-    time, or the step's error if it meets one)."""
+    alone compiled; and last the layers compiled under checkpointing, the checkpoint inside each layer's
+    graph (learner/compiled.py; new on a GPU: its time and kernels, or the step's error if it meets one)."""
     from learner import attention as att
     from learner import grpo
     from learner.grpo import LogProbs
@@ -535,8 +598,9 @@ def profile(ctx: Context) -> dict:
     prompt, comp = ((8, 24), (16, 96)) if ctx.tiny else ((100, 600), (200, 3072))
     cfg = _step_cfg("qwen2.5-math-1.5b-8gpu.toml", budget, max_new)
     model = _model(s, s.layers, ctx.device, max_positions=budget)
-    att.use(model, "varlen" if att.varlen_available(ctx.device) else "per_sequence")
+    backend = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
     forward, ranks = LogProbs(model), Ranks(0, 1, ctx.device)
+    _working(model, forward, ctx.bf16)  # as the unsharded learner computes in bf16
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
     batches = {k: _seqs(4, 8, s.vocab, prompt, comp, k) for k in (0, *range(1, ctx.steps + 1), 97, 98, 99, 102, 103, 104)}
     batch = batches.__getitem__  # built before the timing
@@ -546,7 +610,7 @@ def profile(ctx: Context) -> dict:
     for name, checkpointing, chunk, compile_it in (
             ("checkpointing_chunk_auto", True, None, False), ("checkpointing_chunk_512", True, 512, False),
             ("no_checkpointing_chunk_auto", False, None, False), ("compiled_no_checkpointing", False, None, True),
-            ("compiled_head_checkpointing", True, None, "head"), ("compiled_checkpointing_probe", True, None, True)):
+            ("compiled_head_checkpointing", True, None, "head"), ("compiled_checkpointing", True, None, "ckpt")):
         if not ctx.wants(name):
             continue
         _compiled(model, forward, compile_it)
@@ -554,8 +618,12 @@ def profile(ctx: Context) -> dict:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
+        if compile_it == "ckpt":
+            for layer in model.model.layers:  # the checkpoint is inside each compiled layer
+                layer.gradient_checkpointing = False
+        att.use(model, backend, traceable=compile_it == "ckpt")
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
-        probe = name.endswith("_probe")  # what learner.compile refuses: its time, or the error it met
+        probe = name == "compiled_checkpointing"  # new on a GPU: its time, or the error it met
         try:
             graphs = _graphs()
             warm_ups = _warm_up(ctx, step, compile_it)
@@ -576,7 +644,7 @@ def profile(ctx: Context) -> dict:
                        "mfu_6n_causal": flops / sum(times) / ctx.peak_flops if ctx.peak_flops else None,
                        "warm_up_steps": warm_ups, "graphs_compiled_in_warm_up": graphs_warm - graphs,
                        "graphs_compiled_while_timed": _graphs() - graphs_warm}
-            if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing"):
+            if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing", "compiled_checkpointing"):
                 if ctx.cuda:
                     r[f"kernel_time_by_category{'_compiled' if compile_it else ''}"] = _by_category(lambda: step(99))
                 r[f"host_syncs_{name}"] = gpu_gaps.sync_sites(lambda: step(98))
@@ -590,6 +658,7 @@ def profile(ctx: Context) -> dict:
         finally:
             grpo.logit_chunk = auto
     _compiled(model, forward, False)
+    _working(model, forward, False)
     return r
 
 
@@ -621,7 +690,7 @@ def memory_7b(ctx: Context) -> dict:
     from exgrpo_async.weight_sync import WeightPublisher
     from learner import attention as att
     from learner.model import named_parameters_for_sync
-    from learner.policy import shard
+    from learner.policy import param_groups, shard
     from learner.ranks import Ranks
     from learner.update import StepSettings, update_policy
 
@@ -634,19 +703,23 @@ def memory_7b(ctx: Context) -> dict:
     ctx.dist()
     model = _model(s, layers, ctx.device, max_positions=budget)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    att.use(model, "varlen" if att.varlen_available(ctx.device) else "per_sequence")
+    backend = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
     from learner import compiled
 
-    regions = compiled.resolve(cfg.learner.compile, ctx.device, cfg.learner.gradient_checkpointing)  # as the config runs
+    ckpt = cfg.learner.gradient_checkpointing
+    regions = compiled.resolve(cfg.learner.compile, ctx.device, ckpt, backend)  # as the config runs
+    att.use(model, backend, traceable=regions.layers and ckpt)
+    if regions.layers:
+        compiled.compile_layers(model, checkpointed=ckpt)
     forward = shard(model, "bf16", regions.head)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-6, fused=ctx.cuda)
     ranks = Ranks(0, 1, ctx.device)
     update_policy(forward, opt, _seqs(2, 8, s.vocab, prompt, comp, 0), 2, cfg, StepSettings(clip=0.2), ctx.device,
                   0, 0, ranks)
     ctx.reset_peak()
     update_policy(forward, opt, _seqs(2, 8, s.vocab, prompt, comp, 1), 2, cfg, StepSettings(clip=0.2), ctx.device,
                   0, 1, ranks)
-    model_bytes = rank_bytes(s, budget, 1)
+    model_bytes = rank_bytes(s, budget, 1, sharded=True)  # FSDP2 on this one rank
     r = {"shape": f"{full.name}, {layers} layers", "compiled": str(regions), "params": s.params(), "step_peak_gb": (ctx.peak() or 0) / 1e9,
          "memory_model_gb": model_bytes / 1e9}
     r["measured_over_model"] = r["step_peak_gb"] / r["memory_model_gb"] if ctx.cuda else None
