@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from typing import NamedTuple
 
 import torch
+
+log = logging.getLogger("exgrpo_async.learner")
 
 SETTINGS = ("auto", "on", "head", "off")
 
@@ -84,6 +87,7 @@ def compile_layers(model: torch.nn.Module, checkpointed: bool = False) -> int:
         raise ValueError(f"{type(model).__name__} has no .model.layers: learner.compile has no regions to compile")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # an error naming the cause, not a silent eager call
+    fixed_cpu_threads()
     for layer in layers:
         if "forward" not in vars(layer):  # the class's forward, bound to this layer, compiled
             fn = functools.partial(_checkpointed, layer.forward) if checkpointed else layer.forward
@@ -130,4 +134,19 @@ def _checkpointed(forward, *args, **kwargs):
 @functools.cache
 def compiled_head(fn):
     """`fn` (the head's per-chunk log-prob and entropy) compiled, once per process."""
+    fixed_cpu_threads()
     return torch.compile(fn, dynamic=True)
+
+
+def fixed_cpu_threads() -> None:
+    """Compile CPU kernels for a fixed thread count. Inductor's other mode, the count read at run time
+    (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1), corrupted the heap in these regions (torch 2.13 on CPU: "free():
+    invalid pointer" and the like within a step, 4 runs in 4). vLLM's CPU platform sets that variable in
+    any process that builds an engine, so that process's children inherit it (the test suite's workers
+    did: CI's failures of the GPU check's CPU rehearsal)."""
+    import torch._inductor.config as inductor
+
+    if inductor.cpp.dynamic_threads:
+        log.warning("TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 ignored: the learner's compiled regions use a fixed "
+                    "thread count (learner/compiled.py)")
+        inductor.cpp.dynamic_threads = False

@@ -66,6 +66,26 @@ def _quiet_single_thread():
     yield
 
 
+# vLLM's CPU platform writes these into the environment of any process that builds an engine (a test
+# worker does, for the in-process engines), and every process started after inherits them: with
+# TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 the GPU check's compiled step corrupted its heap (CI's failures of
+# tests/unit/test_gpu_check.py; learner/compiled.py `fixed_cpu_threads`), LD_PRELOAD loads libraries into it.
+VLLM_ENV = ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "LD_PRELOAD", "OMP_NUM_THREADS",
+            "NUMEXPR_MAX_THREADS", "LOCAL_WORLD_SIZE")
+_SESSION_ENV = {k: os.environ.get(k) for k in VLLM_ENV}
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_the_session_found_it():
+    """Each test (after its fixtures, an engine fixture's included) runs with VLLM_ENV as the session began."""
+    for key, value in _SESSION_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     """Files in RUN_ORDER's order, the others after them in collection order; tests marked `gpu` need
     CUDA: skip them (visibly) on machines without it."""
