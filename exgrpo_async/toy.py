@@ -333,7 +333,7 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
 
             if toy_shipped.matches(recipe_key(seed, sft_steps)):
                 write_task_files(paths, seed, train_questions)
-                toy_shipped.install(paths["model"], root / "sft.json")
+                toy_shipped.install(paths["model"], root / "sft.json", build_tokenizer)
                 (root / "done").write_text("ok\n")
             else:
                 _build_toy_assets(root, paths, seed, sft_steps, train_questions, threads)

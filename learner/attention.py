@@ -17,7 +17,7 @@ The two kernels of ours reach transformers as registered attention functions (`A
 so the model runs its own layers; the segments travel as the `packed_segments` keyword, which the model
 forwards to every attention call (and gradient checkpointing replays). A right-padded row (no
 segments) is one causal sequence: its padding comes after every real token, so no real token sees it.
-`check_no_cross_attention` proves at start-up that a packed row's sequences do not see each other.
+learner/grpo.py `check_no_cross_attention` proves at start-up that a packed row's sequences do not see each other.
 """
 
 from __future__ import annotations
@@ -243,27 +243,3 @@ def _traceable(backend: str):
         return out.transpose(1, 2).contiguous(), None
     attend.__name__ = f"{backend}_traceable_attention"
     return attend
-
-
-@torch.no_grad()
-def check_no_cross_attention(forward, vocab: int, device: torch.device, bf16: bool, length: int = 12) -> None:
-    """Start-up check: in a packed row of two sequences, the second one's log-probs must not change
-    (bit for bit) when the first one's tokens do. Raises if the backend lets sequences see each other."""
-    from learner.grpo import token_logprobs
-
-    g = torch.Generator().manual_seed(0)
-    a, b, a2 = (torch.randint(3, max(4, vocab), (length,), generator=g) for _ in range(3))
-    pos = torch.cat([torch.arange(length), torch.arange(length)]).unsqueeze(0)
-    seg = segments_from_positions(pos, device)
-    outs = []
-    for first in (a, a2):
-        ids = torch.cat([first, b]).unsqueeze(0).to(device)
-        outs.append(token_logprobs(forward, ids, None, bf16=bf16, position_ids=pos.to(device), segments=seg)[0, length:])
-    if hasattr(forward, "reshard"):
-        forward.reshard()
-    if not torch.equal(outs[0], outs[1]):
-        diff = float((outs[0] - outs[1]).abs().max())
-        raise RuntimeError(f"packed rows attend across sequences with this attention backend (a later sequence's "
-                           f"log-probs moved by {diff:.3g} when an earlier one changed): this transformers "
-                           "release does not detect packed sequences; set learner.attention='per_sequence' or "
-                           "upgrade transformers")

@@ -277,3 +277,25 @@ def rows_logprobs(model: torch.nn.Module, rows, device: torch.device, temperatur
            if rows.position_ids is not None and wants_segments(model) else None)
     return token_logprobs(model, to_device(rows.input_ids, device), am, temperature, with_entropy, bf16=bf16,
                           position_ids=pos, segments=seg)
+
+
+@torch.no_grad()
+def check_no_cross_attention(forward, vocab: int, device: torch.device, bf16: bool, length: int = 12) -> None:
+    """Start-up check: in a packed row of two sequences, the second one's log-probs must not change
+    (bit for bit) when the first one's tokens do. Raises if the backend lets sequences see each other."""
+    g = torch.Generator().manual_seed(0)
+    a, b, a2 = (torch.randint(3, max(4, vocab), (length,), generator=g) for _ in range(3))
+    pos = torch.cat([torch.arange(length), torch.arange(length)]).unsqueeze(0)
+    seg = segments_from_positions(pos, device)
+    outs = []
+    for first in (a, a2):
+        ids = torch.cat([first, b]).unsqueeze(0).to(device)
+        outs.append(token_logprobs(forward, ids, None, bf16=bf16, position_ids=pos.to(device), segments=seg)[0, length:])
+    if hasattr(forward, "reshard"):
+        forward.reshard()
+    if not torch.equal(outs[0], outs[1]):
+        diff = float((outs[0] - outs[1]).abs().max())
+        raise RuntimeError(f"packed rows attend across sequences with this attention backend (a later sequence's "
+                           f"log-probs moved by {diff:.3g} when an earlier one changed): this transformers "
+                           "release does not detect packed sequences; set learner.attention='per_sequence' or "
+                           "upgrade transformers")

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
 from learner import attention, compiled
-from learner.grpo import LogProbs
+from learner.grpo import LogProbs, check_no_cross_attention
 from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
 from learner.packing import micro_batches
 from learner.ranks import Ranks, split_by_tokens
@@ -138,7 +138,7 @@ class Policy:
         self.opt = torch.optim.AdamW(param_groups(self.model), lr=L.lr, betas=L.betas, weight_decay=L.weight_decay,
                                      fused=device.type == "cuda")
         self.pad_id = self.tokenizer.pad_token_id or 0
-        attention.check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)
+        check_no_cross_attention(self.forward, self.model.config.vocab_size, device, self.bf16)
         log.info("learner attention: %s; compiled regions: %s", self.attention, self.compiled)
 
     # ------------------------------------------------------------------ the collective operations

@@ -230,6 +230,7 @@ def _lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
 def attention(ctx: Context) -> dict:
     """One packed row of 16k tokens at the 1.5B width (2 layers): each backend against every sequence alone."""
     from learner import attention as att
+    from learner import grpo
     from learner.grpo import rows_logprobs
     from learner.packing import pack_rows
 
@@ -275,7 +276,7 @@ def attention(ctx: Context) -> dict:
     for backend in backends:  # the learner's start-up check on this kernel and shape
         att.use(model, backend)
         try:
-            att.check_no_cross_attention(model, s.vocab, ctx.device, ctx.bf16, length=256)
+            grpo.check_no_cross_attention(model, s.vocab, ctx.device, ctx.bf16, length=256)
             r[f"start_up_check_{backend}"] = "passed"
         except RuntimeError as e:
             r[f"start_up_check_{backend}"] = str(e)[:200]

@@ -6,7 +6,7 @@ import torch
 
 from exgrpo_async.toy import build_model
 from learner import attention
-from learner.grpo import rows_logprobs
+from learner.grpo import check_no_cross_attention, rows_logprobs
 from learner.packing import pack_rows, pad_rows
 from tests.unit.test_update import _seqs
 
@@ -63,7 +63,7 @@ def test_right_padded_rows_need_no_segments():
 def test_start_up_check_passes_a_backend_that_keeps_sequences_apart(backend):
     model = build_model(0).eval()
     attention.use(model, backend)
-    attention.check_no_cross_attention(model, model.config.vocab_size, CPU, bf16=False)
+    check_no_cross_attention(model, model.config.vocab_size, CPU, bf16=False)
 
 
 def test_start_up_check_catches_attention_across_sequences():
@@ -78,7 +78,7 @@ def test_start_up_check_catches_attention_across_sequences():
     model.config._attn_implementation = "exgrpo_per_sequence"
     try:
         with pytest.raises(RuntimeError, match="attend across sequences"):
-            attention.check_no_cross_attention(model, model.config.vocab_size, CPU, bf16=False)
+            check_no_cross_attention(model, model.config.vocab_size, CPU, bf16=False)
     finally:
         AttentionInterface.register("exgrpo_per_sequence", attention.per_sequence_attention)
 
@@ -116,4 +116,4 @@ def test_start_up_check_passes_varlen_on_gpu():
     dev = torch.device("cuda")
     model = build_model(0).to(dev).eval()
     attention.use(model, "varlen")
-    attention.check_no_cross_attention(model, model.config.vocab_size, dev, bf16=True)
+    check_no_cross_attention(model, model.config.vocab_size, dev, bf16=True)

@@ -56,3 +56,50 @@ def test_the_actor_loops_share_a_session_and_import_neither_other():
     stream = role_modules(ROOT / "actors" / "stream_loop.py")
     assert "actors.session" in stream and "actors.loop" not in stream
     assert not role_modules(ROOT / "actors" / "session.py") & {"actors.loop", "actors.stream_loop"}
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports, anywhere in the file (inside functions too)."""
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[mod] = {n for n in names if n in files and n != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each a list of modules, from one back to itself."""
+    found, state = [], {}
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = "open"
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == "open":
+                found.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    return found
+
+
+def test_no_import_circle():
+    assert circles(import_graph(ROOT, ("actors", "learner", "exgrpo_async"))) == []
+
+
+def test_the_circle_check_sees_one(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    assert circles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b", "pkg.a"]]

@@ -65,7 +65,7 @@ def test_a_damaged_copy_is_refused(tmp_path):
     data[-1] ^= 1
     (folder / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(toy_shipped.ShippedPolicyError, match="damaged install"):
-        toy_shipped.install(tmp_path / "policy", tmp_path / "sft.json", folder)
+        toy_shipped.install(tmp_path / "policy", tmp_path / "sft.json", toy.build_tokenizer, folder)
     assert not (tmp_path / "sft.json").exists()
 
 
