@@ -1,7 +1,7 @@
 """ExGRPO's experience buffer: correct past trajectories per question, bucketed by success count.
 
 A library piece: it knows nothing about processes, torch or the learner loop, so another trainer can
-use it. Rules (docs/exgrpo-algorithm.md section 2-3, the authors' code as default):
+use it. Rules (docs/exgrpo.md, "Where each rule lives"; the authors' code as default):
 - `record(qid, k, correct)` after a group of K was scored: 1 <= k <= K-1 stores the question in
   bucket k (last write wins) and appends its correct trajectories, de-duplicated by token ids;
   k == 0 changes nothing; k == K retires the question for good (`retire`).

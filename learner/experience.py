@@ -1,6 +1,6 @@
 """ExGRPO's step-end rules, beside the buffer: retire, collect, switch, (re-inject), choose.
 
-After each update, in the authors' order (docs/exgrpo-algorithm.md sections 0, 2, 3, 7):
+After each update, in the authors' order (docs/exgrpo.md):
 1. retire every question whose group was solved K/K (the replayed trajectory counts toward k);
 2. collect, once the delayed start has fired, the correct fresh trajectories of partly solved groups
    (1 <= k <= K-1) with their pi_past log-probs, and move each question to bucket k (an experience

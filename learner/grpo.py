@@ -1,7 +1,7 @@
 """The GRPO maths of the learner: advantages, per-token log-probs and the Dr.GRPO policy loss.
 
-Pure functions over tensors; the loop in train.py decides what goes in. Choices (exgrpo-algorithm.md
-sections 5 and 6):
+Pure functions over tensors; the loop in train.py decides what goes in. Choices (docs/exgrpo.md, "Loss
+scale" and "Code versus paper"):
 - advantage A_i = r_i - mean(r of its group), no division by the std (Dr.GRPO);
 - per-token ratio r_t = exp(logp_theta - logp_behaviour), the behaviour log-probs being the ones the
   actor sampled with, so stale rollouts are corrected by the same ratio;

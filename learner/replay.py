@@ -2,7 +2,7 @@
 
 For every sampled experience question, all its stored trajectories are scored under the *current*
 policy in batched no-grad forward passes (scores are never cached: the policy moved). The default
-picks the lowest mean token entropy (the paper's metric, exgrpo-algorithm.md 3.2; the authors' code has
+picks the lowest mean token entropy (the paper's metric, section 3.2 of arXiv 2510.02245; the authors' code has
 a masking quirk that makes it closer to a total entropy, documented there, not reproduced here).
 Ablations: "random" and "highest" entropy; metric "nll" (mean negative log-likelihood, the paper's
 Algorithm 1 wording).

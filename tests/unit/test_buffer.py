@@ -1,4 +1,4 @@
-"""ExGRPO experience buffer rules (docs/exgrpo-algorithm.md sections 2-3)."""
+"""ExGRPO experience buffer rules (docs/exgrpo.md)."""
 
 import math
 
