@@ -3,7 +3,7 @@
 Runs COMMAND, and every `--every` seconds reads the whole machine's CPU time (all cores, every
 process) from /proc/stat; prints the mean share busy and how many samples fell under 60% and 25%, and
 writes each sample to `--out` (JSON). A suite that leaves the CPUs idle a quarter of the time is
-waiting (fixed waits, timeouts, process starts in a row), not computing (docs/benchmarks.md, the
+waiting (fixed waits, timeouts, process starts in a row), not computing (docs/history/benchmarks-notebook.md, the
 suite's sixth pass).
 
     .venv/bin/python ops/bench/cpu_busy.py --out bench_out/cpu_busy.json -- ./.ci/run

@@ -27,14 +27,16 @@ TINY_15B = Shape("tiny (1.5B stand-in)", 64, 160, 2, 4, 2, 512, True)
 TINY_7B = Shape("tiny (7B stand-in)", 96, 192, 3, 4, 2, 640, False)
 
 
-# variants run only when `--variants` names them (docs/benchmarks.md has their figures): FSDP2 with the layers
+# variants run only when `--variants` names them (docs/history/benchmarks-notebook.md has the figures of those
+# measured): FSDP2 with the layers
 # compiled and no checkpointing (the 7B config checkpoints), the head at the CPU's 512-position chunk, the
 # step eager without checkpointing (87 GB: no config), the head alone compiled, and the GPU's variants that
 # no config runs now (the CPU rehearsal runs its own, per_sequence ones, all of them)
 ON_REQUEST = ("fsdp2_varlen_fused_compiled_no_ckpt", "fsdp2_per_sequence_fused_compiled_no_ckpt",
               "checkpointing_chunk_512", "no_checkpointing_chunk_auto", "compiled_head_checkpointing",
-              # measured on an H200 in issue 51 (docs/benchmarks.md), so the check keeps within 8 minutes:
-              # sdpa and foreach AdamW, autocast's casts instead of working weights, the head alone compiled
+              # measured on an H200 (sdpa and foreach AdamW in issue 34's first lease; autocast's casts
+              # instead of working weights and the head alone compiled in issue 51's), so the check keeps
+              # within 8 minutes
               "unsharded_sdpa_foreach", "unsharded_varlen_foreach", "unsharded_varlen_fused",
               "unsharded_varlen_fused_compiled_no_ckpt", "unsharded_varlen_fused_compiled_head_ww",
               "fsdp2_varlen_fused_compiled_head")
