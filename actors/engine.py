@@ -148,6 +148,9 @@ class VLLMEngine:
         self.fingerprint: dict[str, int] | None = None  # of the last load, when the learner asked for one
         self.policy_version = 0
 
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
     def generate(self, prompts: list[str], n: int, temperature: float, max_tokens: int,
                  seeds: list[int | None] | None = None) -> list[tuple[np.ndarray, list[Sample]]]:
         """n samples per prompt; `seeds` (one per prompt, None = the engine's RNG) make them reproducible."""

@@ -144,7 +144,7 @@ def run_shard(job: EvalJob, prompts: list[str], golds: list[list[str]],
             t0 = time.perf_counter()
             outs = engine.generate(prompts, job.samples, job.temperature, job.max_tokens)
             log.info("generated %d x %d samples in %.1f s", len(prompts), job.samples, time.perf_counter() - t0)
-            tokenizer = engine.llm.get_tokenizer()
+            tokenizer = engine.get_tokenizer()
         finally:
             engine.close()
         for r, (_, samples) in zip(results, outs):

@@ -24,10 +24,9 @@ import time
 from actors.metrics import ActorMetrics, start_actor_metrics
 from actors.session import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, ProtocolError, engine_seed, join, load_options,
                             make_verifier, request, score_groups, weight_group, work_request)
-from actors.verifier import MathVerifier
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
-from exgrpo_async.transport import ActorSocket
+from exgrpo_async.seams import ActorTransport, BatchEngine, Verifier
 from exgrpo_async.wire import encode_control, encode_rollouts
 
 log = logging.getLogger("exgrpo_async.actor")
@@ -98,7 +97,7 @@ def start_batch_engine(cfg: RunConfig, actor_id: str, on_cpu: bool):
     return engine, make_verifier(cfg)
 
 
-def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifier: MathVerifier, stats: dict,
+def serve_batch(sock: ActorTransport, welcome: dict, cfg: RunConfig, engine: BatchEngine, verifier: Verifier, stats: dict,
                 metrics: ActorMetrics | None = None) -> None:
     actor_id = welcome["actor_id"]
     ws = weight_group(sock, engine.tp, cfg.transport.request_timeout_s)
@@ -106,7 +105,7 @@ def serve_batch(sock: ActorSocket, welcome: dict, cfg: RunConfig, engine, verifi
     engine.policy_version, engine.fingerprint = -1, None  # nothing counts until the first broadcast has arrived
     if metrics is not None:
         metrics.version.set(-1)
-    tokenizer = engine.llm.get_tokenizer()
+    tokenizer = engine.get_tokenizer()
     timeout = cfg.transport.request_timeout_s
     while True:
         reply = request(sock, work_request(engine.policy_version, stats["gen_seconds"], metrics, engine), timeout)

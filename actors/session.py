@@ -25,6 +25,7 @@ from actors.metrics import ActorMetrics, warn_verifier_timeouts
 from actors.verifier import MathVerifier
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.rollout import Completion, RolloutGroup
+from exgrpo_async.seams import ActorTransport, Engine, Verifier
 from exgrpo_async.transport import ActorSocket
 from exgrpo_async.wire import WireError, encode_control
 
@@ -165,7 +166,7 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
-def request(sock: ActorSocket, frames: list, timeout_s: float) -> dict:
+def request(sock: ActorTransport, frames: list, timeout_s: float) -> dict:
     """A request to the learner; LearnerLost when it is silent or asks us to rejoin (it restarted, or
     took us for dead)."""
     try:
@@ -179,7 +180,7 @@ def request(sock: ActorSocket, frames: list, timeout_s: float) -> dict:
     return check_reply(reply, tuple(k for k in REPLY_FIELDS if k != "welcome"), sock.address)
 
 
-def weight_group(sock: ActorSocket, workers: int, timeout_s: float) -> dict:
+def weight_group(sock: ActorTransport, workers: int, timeout_s: float) -> dict:
     """Ask the learner for this actor's weight-sync group, sized for the engine's `workers` (its
     tensor-parallel size): host, port, prefix, world_size, backend, timeout_s."""
     reply = request(sock, encode_control("group", tp=workers), timeout_s)
@@ -196,7 +197,7 @@ def reward_row(item: dict) -> dict:
             "answer": item["answer"], "prompt": item["prompt"], "purpose": item["purpose"]}
 
 
-def score_groups(verifier: MathVerifier, tokenizer, actor_id: str, done: list[tuple[dict, np.ndarray, list, int, float]],
+def score_groups(verifier: Verifier, tokenizer, actor_id: str, done: list[tuple[dict, np.ndarray, list, int, float]],
                  metrics: ActorMetrics | None = None, timeout_warning_frac: float = 1.0) -> list[RolloutGroup]:
     """Verify every completion of `done` = [(work item, prompt ids, samples, version, gen seconds)] in
     one pool call, the ExGRPO replayed trajectories sent with experience items too (their reward goes
@@ -241,7 +242,8 @@ def make_verifier(cfg: RunConfig) -> MathVerifier:
     return MathVerifier(v.workers, v.timeout_s, v.require_think, v.memory_limit_mb, v.function)
 
 
-def work_request(version: int, busy_s: float, metrics: ActorMetrics | None, engine=None, **extra) -> list:
+def work_request(version: int, busy_s: float, metrics: ActorMetrics | None, engine: Engine | None = None,
+                 **extra) -> list:
     """A work request; it carries the actor's metrics endpoint so the learner can list it for Prometheus,
     and, once after each load the learner asked to fingerprint, the `engine`'s fingerprint of `version`."""
     if metrics is not None:

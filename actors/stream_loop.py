@@ -28,13 +28,13 @@ from actors.session import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, engine_seed
                             score_groups, weight_group, work_request)
 from exgrpo_async.config import RunConfig, config_from_json
 from exgrpo_async.logs import setup_logging
-from exgrpo_async.transport import ActorSocket
+from exgrpo_async.seams import ActorTransport, StreamEngine, Verifier
 from exgrpo_async.wire import encode_control, encode_rollouts
 
 log = logging.getLogger("exgrpo_async.actor")
 
 
-def serve_stream(address: str, keys_dir: str | None, sock: ActorSocket, welcome: dict, cfg: RunConfig, on_cpu: bool,
+def serve_stream(address: str, keys_dir: str | None, sock: ActorTransport, welcome: dict, cfg: RunConfig, on_cpu: bool,
                  stats: dict, metrics: ActorMetrics | None = None, hello_retry_s: float = HELLO_ATTEMPT_S) -> dict:
     return asyncio.run(StreamActor(address, keys_dir, cfg, on_cpu, stats, metrics, hello_retry_s).run(sock, welcome))
 
@@ -55,14 +55,14 @@ class StreamActor:
     async def _io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
-    async def run(self, sock: ActorSocket, welcome: dict) -> dict:
+    async def run(self, sock: ActorTransport, welcome: dict) -> dict:
         actor_id = welcome["actor_id"]
         self.heartbeat = Heartbeat(self.address, self.keys_dir, actor_id, self.cfg.transport.heartbeat_s)
         log.info("%s: starting vLLM AsyncLLM on %s", actor_id, self.cfg.model.path)
         e = self.cfg.actor.engine
-        self.engine = AsyncVLLMEngine(self.cfg.model.path, self.cfg.model, e, self.on_cpu,
+        self.engine: StreamEngine = AsyncVLLMEngine(self.cfg.model.path, self.cfg.model, e, self.on_cpu,
                                       seed=engine_seed(self.cfg, actor_id))
-        self.verifier = make_verifier(self.cfg)
+        self.verifier: Verifier = make_verifier(self.cfg)
         self.tokenizer = self.engine.get_tokenizer()
         try:
             while True:
@@ -97,7 +97,7 @@ class StreamActor:
                 self.io.shutdown()
                 self.verify_pool.shutdown()
 
-    async def session(self, sock: ActorSocket, welcome: dict) -> None:
+    async def session(self, sock: ActorTransport, welcome: dict) -> None:
         """Serve one learner until it says stop (returns) or goes silent (LearnerLost)."""
         actor_id, e = welcome["actor_id"], self.cfg.actor.engine
         self.actor_id = actor_id
@@ -171,7 +171,7 @@ class StreamActor:
             self.busy_since = now if running else None
         return self.stats["busy_seconds"]
 
-    async def update(self, sock: ActorSocket, timeout: float, mode: str) -> None:
+    async def update(self, sock: ActorTransport, timeout: float, mode: str) -> None:
         sync = await self._io(request, sock, encode_control("sync", version=self.engine.policy_version), timeout)
         version = int(sync["version"])
         opts = load_options(sync, self.cfg, self.stats, self.actor_id)
@@ -206,7 +206,7 @@ class StreamActor:
         self.stats["gen_seconds"] += gen_s
         await finished.put((it, prompt_ids, samples, version, gen_s))
 
-    async def send_loop(self, sock: ActorSocket, actor_id: str, finished: asyncio.Queue) -> None:
+    async def send_loop(self, sock: ActorTransport, actor_id: str, finished: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         while True:
             done = [await finished.get()]

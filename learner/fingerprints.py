@@ -20,7 +20,7 @@ import time
 from collections import Counter, OrderedDict
 
 from exgrpo_async.fingerprint import MASK, mismatched
-from exgrpo_async.weight_sync import WeightPublisher
+from exgrpo_async.seams import WeightSender
 from exgrpo_async.wire import WireError
 
 log = logging.getLogger("exgrpo_async.learner.server")
@@ -30,7 +30,7 @@ KEEP_TAINTED = 1024  # (actor, version) pairs remembered
 
 
 class FingerprintCheck:
-    def __init__(self, publisher: WeightPublisher, counters: Counter):
+    def __init__(self, publisher: WeightSender, counters: Counter):
         self.publisher, self.counters = publisher, counters
         # (actor, version) -> None while tainted, or when the actor reported that version's weights right
         # again (time.monotonic(), the dispatcher's clock): work handed out after that is clean

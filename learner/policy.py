@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.weight_sync import WeightPublisher, full_tensor, plan_buckets
+from exgrpo_async.seams import WeightSender
+from exgrpo_async.weight_sync import full_tensor, plan_buckets
 from learner import attention, compiled
 from learner.grpo import LogProbs, check_no_cross_attention
 from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
@@ -179,12 +180,12 @@ class Policy:
                 out[i] = sc
         return out
 
-    def publish(self, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> None:
+    def publish(self, publisher: WeightSender | None, version: int, dtype: torch.dtype) -> None:
         """Lead: pack the weights into the publisher's buffers as `version`; followers join the gathers."""
         with self.ranks.together("publish", {"version": version}):
             self._publish(publisher, version, dtype)
 
-    def _publish(self, publisher: WeightPublisher | None, version: int, dtype: torch.dtype) -> None:
+    def _publish(self, publisher: WeightSender | None, version: int, dtype: torch.dtype) -> None:
         named = named_parameters_for_sync(self.model)
         if publisher is not None:
             publisher.publish(version, named, dtype)  # gathers sharded parameters one at a time

@@ -49,7 +49,7 @@ from exgrpo_async.config import RunConfig, is_loopback
 from exgrpo_async.data import Question
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.transport import LearnerSocket
-from exgrpo_async.weight_sync import WeightPublisher
+from exgrpo_async.seams import WeightSender
 from exgrpo_async.wire import WireError, decode_header, decode_rollouts, encode_control
 from learner.dispatch import Dispatcher, WorkItem
 from learner.fingerprints import FingerprintCheck
@@ -166,7 +166,7 @@ class ActorInfo:
 
 
 class LearnerServer:
-    def __init__(self, cfg: RunConfig, dispatcher: Dispatcher, publisher: WeightPublisher, backend: str,
+    def __init__(self, cfg: RunConfig, dispatcher: Dispatcher, publisher: WeightSender, backend: str,
                  prompts: dict[str, list[str]], questions: dict[str, list[Question]], config_json: str):
         self.cfg, self.dispatcher, self.publisher, self.backend = cfg, dispatcher, publisher, backend
         self.prompts, self.questions, self.config_json = prompts, questions, config_json
