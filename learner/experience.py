@@ -26,17 +26,30 @@ import logging
 import random
 import time
 from collections import Counter
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 import torch
 
 from exgrpo_async.config import ExGRPOConfig
 from learner.buffer import ExperienceBuffer, Trajectory
-from learner.dispatch import Dispatcher
 from learner.replay import Scorer, select_replays
 from learner.update import Batch, Seq
 
 log = logging.getLogger("exgrpo_async.learner")
+
+
+class Dispatcher(Protocol):
+    """What ExGRPO's bookkeeping asks of the dispatcher (learner/dispatch.py's `Dispatcher`)."""
+
+    displaced_discarded: int
+
+    def retire(self, question_ids: set[int]) -> None: ...
+    def unretire(self, question_ids: list[int]) -> None: ...
+    def add_experience(self, plan: list[tuple[int, Any]], n: int) -> None: ...
+    def experience_done(self, question_ids: Iterable[int]) -> None: ...
+    def experience_in_flight(self) -> set[int]: ...
+    def experience_queued(self) -> int: ...
 
 
 def _new_question_reward(batch: Batch) -> float | None:

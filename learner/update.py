@@ -20,13 +20,13 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import RolloutGroup
-from learner.dispatch import WorkItem
 from learner.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
 from learner.loss_scale import LossScale
 from learner.packing import Rows, layout, micro_batches, to_device
@@ -34,6 +34,14 @@ from learner.ranks import Ranks, split_by_tokens
 
 log = logging.getLogger("exgrpo_async.learner")
 SOLO = Ranks()  # one rank: no process group
+
+
+class WorkItem(Protocol):
+    """What the update reads of a dispatched work item (learner/dispatch.py's `WorkItem`)."""
+
+    work_id: int
+    question_id: int
+    replay: Any  # ExGRPO: the replayed Trajectory, or None
 
 
 @dataclass

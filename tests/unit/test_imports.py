@@ -103,3 +103,24 @@ def test_the_circle_check_sees_one(tmp_path):
     (tmp_path / "pkg" / "b.py").write_text("from pkg import a\n")
     (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
     assert circles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+# learner/'s two layers (issue 50): the maths over tensors and the buffer, and the process shell that feeds it.
+# ranks.py (the collectives the update and the selection pass call on several ranks) is neither.
+LEARNER_MATHS = {"attention", "buffer", "compiled", "experience", "grpo", "loss_scale", "memory_model", "packing",
+                 "replay", "update", "working_weights"}
+LEARNER_SHELL = {"checkpoint", "dispatch", "fingerprints", "inbox", "main", "metrics", "model", "overlap", "policy",
+                 "server", "shell", "step_metrics", "trackers", "train"}
+
+
+def test_every_learner_module_is_in_one_layer():
+    modules = {p.stem for p in (ROOT / "learner").glob("*.py")} - {"__init__", "ranks"}
+    assert modules == LEARNER_MATHS | LEARNER_SHELL and not LEARNER_MATHS & LEARNER_SHELL, modules ^ (
+        LEARNER_MATHS | LEARNER_SHELL)
+
+
+def test_the_learners_maths_never_imports_its_shell():
+    graph = import_graph(ROOT, ("learner",))
+    for mod in sorted(LEARNER_MATHS):
+        reached = {d.split(".")[1] for d in graph[f"learner.{mod}"] if "." in d}
+        assert not reached & LEARNER_SHELL, f"learner/{mod}.py imports {reached & LEARNER_SHELL}"
