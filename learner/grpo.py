@@ -55,7 +55,7 @@ class LogProbs(torch.nn.Module):
         """The head over one chunk of positions: with autograd checkpointed (its fp32 logits recomputed in
         the backward), without autograd plain; `on`: both compiled (learner/compiled.py), the checkpoint
         inside the graph, so its recompute is that graph's."""
-        fns = (_checkpointed_logp_entropy, _logp_entropy)
+        fns = (_checkpointed_logp_entropy, logp_entropy)
         self.head_grad, self.head_nograd = tuple(compiled.compiled_head(f) for f in fns) if on else fns
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float = 1.0,
@@ -72,7 +72,7 @@ class LogProbs(torch.nn.Module):
             kw["packed_segments"] = segments
         if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits[:, :-1]
-            logp, entropy = _logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
+            logp, entropy = logp_entropy(logits, targets, head_weight=None, head_bias=None, temperature=temperature,
                                           with_entropy=with_entropy)
             return logp, (entropy if with_entropy else None)
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -145,11 +145,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 def _checkpointed_logp_entropy(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_logp_entropy` under activation checkpointing (non-reentrant)."""
-    return checkpoint(_logp_entropy, *args, use_reentrant=False)
+    """`logp_entropy` under activation checkpointing (non-reentrant)."""
+    return checkpoint(logp_entropy, *args, use_reentrant=False)
 
 
-def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Tensor | None, head_bias, temperature: float,
+def logp_entropy(x: torch.Tensor, targets: torch.Tensor, head_weight: torch.Tensor | None, head_bias, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and entropy (zeros unless `with_entropy`) of the fp32 logits of `x` (hidden
     states through the head, or logits already when `head_weight` is None), at `temperature`."""

@@ -43,7 +43,7 @@ def child(path: str, tokens: int, layers: int, threads: int) -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from learner.grpo import _logp_entropy, token_logprobs
+    from learner.grpo import logp_entropy, token_logprobs
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def child(path: str, tokens: int, layers: int, threads: int) -> None:
         t0 = time.perf_counter()
         if path == "old":
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1]
-            logp, ent = _logp_entropy(logits, ids[:, 1:], None, None, 1.0, True)
+            logp, ent = logp_entropy(logits, ids[:, 1:], None, None, 1.0, True)
         else:
             logp, ent = token_logprobs(model, ids, torch.ones_like(ids), 1.0, with_entropy=True)
         loss = -((logp + 3e-4 * ent) * mask).sum() / (t * 1.0)
