@@ -30,7 +30,7 @@ class Inbox:
 
     def pump(self, timeout: float) -> None:
         try:
-            item, group = self.server.inbox.get(timeout=timeout)
+            item, group = self.server.received.get(timeout=timeout)
         except queue.Empty:
             if self.server.connected == 0 and time.monotonic() - self._last_warn > 30:
                 log.warning("waiting for rollouts, but no actor is connected")
@@ -42,7 +42,7 @@ class Inbox:
         """Move everything the server has already received into this inbox (without waiting)."""
         while True:
             try:
-                item, group = self.server.inbox.get_nowait()
+                item, group = self.server.received.get_nowait()
             except queue.Empty:
                 return
             self.add(item, group)
@@ -181,7 +181,7 @@ def run_eval(inbox: Inbox, dispatcher: Dispatcher, sources: list[str], cfg: RunC
 def question_books(dispatcher: Dispatcher, inbox: Inbox, server: LearnerServer) -> dict:
     """Conservation of training questions: each one handed out is trained on, re-issued (which takes it
     off `train_dispatched`), still outstanding, or received and waiting. Anything else was lost."""
-    waiting = len(inbox.train) + sum(1 for it, _ in list(server.inbox.queue) if it.purpose == "train")
+    waiting = len(inbox.train) + sum(1 for it, _ in list(server.received.queue) if it.purpose == "train")
     outstanding = sum(1 for w in list(dispatcher.outstanding.values()) if w.purpose == "train")
     return {"questions_dispatched": dispatcher.train_dispatched, "questions_trained": dispatcher.train_consumed,
             "questions_in_flight_at_end": outstanding + waiting,

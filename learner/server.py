@@ -1,9 +1,9 @@
-"""The learner's process shell: a ZeroMQ server thread and a weight-sync thread.
+"""The learner's network side: a ZeroMQ server thread and a weight-sync thread (learner/shell.py holds them).
 
 The server thread owns the learner socket. It registers actors, hands out work from the dispatcher,
-decodes rollout groups into `inbox` (bounded by the dispatcher's admission cap), and turns sync
+decodes rollout groups into `received` (bounded by the dispatcher's admission cap), and turns sync
 requests into jobs for the actor's own sync thread, which owns that actor's torch.distributed group.
-The training loop in train.py only touches `inbox`, the dispatcher and the publisher, so training
+The training loop in train.py only touches `received` (through learner/inbox.py), the dispatcher and the publisher, so training
 never waits on a socket, a slow broadcast never blocks dispatch, and a frozen actor's broadcast never
 holds back another actor's.
 
@@ -176,7 +176,7 @@ class LearnerServer:
             log.warning("transport.host=%s without curve_keys_dir: anyone who reaches it can take work and inject "
                         "rollouts (transport.allow_insecure_remote)", t.host)
         self.address = self.sock.address
-        self.inbox: queue.Queue[tuple[WorkItem, RolloutGroup]] = queue.Queue()
+        self.received: queue.Queue[tuple[WorkItem, RolloutGroup]] = queue.Queue()
         self.actors: dict[bytes, ActorInfo] = {}
         self.counters: Counter[str] = Counter()
         self.sync_seconds = Tally()  # learner-side broadcast seconds, one per sync served
@@ -435,7 +435,7 @@ class LearnerServer:
                 self._drop("bad_messages", "rollouts", f"experience work {item.work_id} came back without a valid "
                            "replay reward; re-issued")
                 return
-        self.inbox.put((item, group))
+        self.received.put((item, group))
 
     def _give_back(self, item: WorkItem) -> None:
         """Put a completed item's question out again, its rollouts unused."""

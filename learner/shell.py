@@ -150,7 +150,7 @@ class Shell:
                                        is_weights=L.off_policy_correction != "none")
             server.on_sync = self.prom.observe_sync
             self.prom.watch_live(connected=lambda: len(server.actors),
-                                 inbox=lambda: server.inbox.qsize() + len(self.inbox.train),
+                                 inbox=lambda: server.received.qsize() + len(self.inbox.train),
                                  in_flight=lambda: len(self.dispatcher.outstanding))
         server.targets = TargetsFile(self.run_dir, cfg.metrics.sd_dir, self.prom.endpoint.address if self.prom else None)
         server.start()

@@ -139,16 +139,16 @@ def run_actor(paths: dict[str, Path], prompts: list[str], rows: list[dict], core
     publisher.publish(0, named_parameters_for_sync(model))
     server = LearnerServer(cfg, dispatcher, publisher, "gloo", {"train": prompts, "eval": []},
                            {"train": questions, "eval": []}, cfg.model_dump_json())
-    server.inbox = TimedQueue()
+    server.received = TimedQueue()
     server.start()
     out: mp.Queue = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=actor_proc, args=(server.address, core, out))
     proc.start()
-    groups = [server.inbox.get(timeout=600)[1] for _ in range(N_QUESTIONS)]
+    groups = [server.received.get(timeout=600)[1] for _ in range(N_QUESTIONS)]
     server.stop(wait_for_actors_s=60)
     res = out.get(timeout=120)
     proc.join(60)
-    arr = server.inbox.arrivals
+    arr = server.received.arrivals
     window = arr[-1] - arr[WARMUP * Q_PER_BATCH - 1]
     t = res["times"]
     n_groups = WARMUP * Q_PER_BATCH

@@ -17,7 +17,7 @@ from learner.inbox import Inbox, fill_batch
 
 class FakeServer:  # what Inbox reads of the server: its queue of received groups
     def __init__(self):
-        self.inbox, self.connected = queue.Queue(), 2
+        self.received, self.connected = queue.Queue(), 2
 
 
 def dispatcher(B: int, eta: int = 1) -> Dispatcher:
@@ -28,7 +28,7 @@ def dispatcher(B: int, eta: int = 1) -> Dispatcher:
 def arrive(d: Dispatcher, server: FakeServer, item, version: int) -> None:
     """What the server does with an actor's rollouts: complete the item, queue its group."""
     assert d.complete(item.work_id) is item
-    server.inbox.put((item, RolloutGroup(item.work_id, item.question_id, np.zeros(1, np.int32), [], version,
+    server.received.put((item, RolloutGroup(item.work_id, item.question_id, np.zeros(1, np.int32), [], version,
                                          item.actor_id)))
 
 
