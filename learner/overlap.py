@@ -29,8 +29,8 @@ from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
 from learner.loss_scale import LossScale
 from learner.policy import Policy
-from learner.update import (Batch, StepSettings, UpdateResult, add_group, assemble, cut_micro_batches, empty_batch,
-                            finish_result, forwarded, micro_step, minibatch_order, optimizer_step, Phase, read_phases)
+from learner.update import (Batch, OptimizerUpdate, StepSettings, UpdateResult, add_group, assemble, cut_micro_batches,
+                            empty_batch, finish_result, forwarded, minibatch_order, read_phases)
 
 
 class WholeBatch:
@@ -62,8 +62,9 @@ class Accumulator:
         self.batch = empty_batch()
         self.res = UpdateResult()
         self.pending: list[int] = []  # forwarded sequences received, not yet in a micro-batch
-        self.loss, self.micro_batches, self.busy = 0.0, 0, 0.0
-        policy.opt.zero_grad(set_to_none=True)
+        self.busy = 0.0
+        self.update = OptimizerUpdate(policy.forward, policy.opt, self.cfg, settings, policy.device, policy.pad_id,
+                                      self.res, self.scale)
         policy.model.train()
 
     def add(self, item: WorkItem, group: RolloutGroup) -> None:
@@ -87,19 +88,18 @@ class Accumulator:
         try:
             for part in cut_micro_batches(self.batch.seqs, self.pending, self.cfg.learner):
                 self._micro(part)
-            if self.settings.nan_drill and not self.micro_batches:  # the drill fires even on an all-zero batch
+            if self.settings.nan_drill and not self.update.micro_batches:  # the drill fires on an all-zero batch too
                 self._micro([0])
-            self.res.losses.append(self.loss)
-            with Phase(self.res, "optimizer", self.policy.device):
-                optimizer_step(self.policy.forward, self.policy.opt, self.cfg.learner, updates_before, self.res)
+            self.update.step(updates_before)
             read_phases(self.res)
             finish_result(self.res)
         finally:
             self.policy.model.eval()
         return self.batch, self.res
 
+    @property
+    def micro_batches(self) -> int:
+        return self.update.micro_batches
+
     def _micro(self, idx: list[int]) -> None:
-        p = self.policy
-        self.loss += micro_step(p.forward, self.batch.seqs, idx, 0, {}, self.scale, self.cfg, self.settings,
-                                 p.device, p.pad_id, self.res)
-        self.micro_batches += 1
+        self.update.micro(self.batch.seqs, idx)

@@ -258,27 +258,53 @@ def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list
         pre_logp = recompute_logps(model, [seqs[i] for i in mine], mine, pad_id, device, L, cfg.rollout.temperature,
                                    passes, filler=seqs[0] if seqs else None) if passes else {}
     for mb, (mb_idx, shares) in enumerate(plan):
-        scale = LossScale(len(mb_idx), cfg.rollout.max_new_tokens)
-        opt.zero_grad(set_to_none=True)
-        mb_loss = torch.zeros((), device=device)
+        update = OptimizerUpdate(model, opt, cfg, settings, device, pad_id, res,
+                                 LossScale(len(mb_idx), cfg.rollout.max_new_tokens), mb, pre_logp)
         micro = [cut_micro_batches(seqs, x, L) for x in shares]
         for j in range(max(len(m) for m in micro)):
             idx = micro[ranks.rank][j] if j < len(micro[ranks.rank]) else []
             if idx:
-                mb_loss += micro_step(model, seqs, idx, mb, pre_logp, scale, cfg, settings, device, pad_id, res)
-            else:
-                with Phase(res, "forward", device):
-                    _filler_step(model, seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))], cfg, device, pad_id)
-        res.losses.append(mb_loss)
-        with Phase(res, "optimizer", device):
-            if ranks.world > 1:
-                sum_replicated_grads(model)
-            optimizer_step(model, opt, L, updates_before + res.updates, res)
+                update.micro(seqs, idx)
+            else:  # this rank's share ran out: join the pass's collectives with a zero-loss filler
+                update.filler(seqs[min(mb_idx, key=lambda i: len(seqs[i].completion))])
+        update.step(updates_before + res.updates, ranks)
     read_phases(res)
     finish_result(res)
     if ranks.world > 1:
         _reduce_result(res, ranks)
     return res
+
+
+class OptimizerUpdate:
+    """One optimizer update: micro-batches' losses and gradients accumulated on one `LossScale`, then the
+    step. The one route from sequences to an optimizer step: `update_policy` makes one per mini-batch,
+    learner/overlap.py's `Accumulator` one per step, fed as the groups arrive."""
+
+    def __init__(self, model, opt, cfg: RunConfig, settings: StepSettings, device, pad_id: int, res: UpdateResult,
+                 scale: LossScale, mb: int = 0, pre_logp: dict | None = None):
+        self.model, self.opt, self.cfg, self.settings, self.device = model, opt, cfg, settings, device
+        self.pad_id, self.res, self.scale, self.mb, self.pre_logp = pad_id, res, scale, mb, pre_logp or {}
+        self.loss = torch.zeros((), device=device)
+        self.micro_batches = 0
+        opt.zero_grad(set_to_none=True)
+
+    def micro(self, seqs: list[Seq], idx: list[int]) -> None:
+        """Forward, loss and backward of the sequences `idx` of `seqs` (`micro_step`)."""
+        self.loss += micro_step(self.model, seqs, idx, self.mb, self.pre_logp, self.scale, self.cfg, self.settings,
+                                self.device, self.pad_id, self.res)
+        self.micro_batches += 1
+
+    def filler(self, s: Seq) -> None:
+        with Phase(self.res, "forward", self.device):
+            _filler_step(self.model, s, self.cfg, self.device, self.pad_id)
+
+    def step(self, updates_before: int, ranks: Ranks = SOLO) -> None:
+        """The mini-batch's loss recorded; the gradient summed where ranks replicate, clipped and applied."""
+        self.res.losses.append(self.loss)
+        with Phase(self.res, "optimizer", self.device):
+            if ranks.world > 1:
+                sum_replicated_grads(self.model)
+            optimizer_step(self.model, self.opt, self.cfg.learner, updates_before, self.res)
 
 
 def _minibatch_plan(seqs: list[Seq], mb: int, mb_groups: int, L, settings: StepSettings,
