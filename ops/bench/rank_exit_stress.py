@@ -14,7 +14,14 @@ when the launcher named a rank's exit that the round's ending does not explain (
 a clean finish; anything but SIGTERM's 143 after an interrupt); as wrong when `train`'s own exit code is
 not the expected one. A table and JSON are written to --out, with the tail of every failed round's log.
 
+The "bare" ending skips train: two processes do what `exgrpo-async learner` does with learner.world_size=2,
+minus the actors (join the group, shard the toy policy, two steps, the lead says stop, both close the group
+and exit through `learner.ranks.end_rank_process`); any exit but 0 counts. "plain_exit" (never by default)
+ends them through the interpreter's finalization instead, which shows the abort `end_rank_process` avoids
+(learner/ranks.py explains it).
+
     .venv/bin/python ops/bench/rank_exit_stress.py --rounds 30 [--out bench_out/rank_exit] [--endings sigterm]
+    .venv/bin/python ops/bench/rank_exit_stress.py --rounds 40 --endings bare     # [or plain_exit]
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,7 +41,8 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
-ENDINGS = ("actor_lost", "lead_busy", "sigterm")
+ENDINGS = ("actor_lost", "lead_busy", "sigterm", "bare")
+BARE = ("bare", "plain_exit")  # two learner ranks without train: through end_rank_process, or finalization
 ABORT_SIGNS = ("terminate called", "Aborted", "Connection closed by peer")
 # the integration tests' toy policy and precision (tests/integration/conftest.py), so its cache is reused
 BASE = [f"toy.cache_dir={Path('~/.cache/exgrpo_async/tests').expanduser()}", "toy.sft_steps=600",
@@ -57,6 +67,66 @@ def actor_pids(launcher: int) -> list[int]:
         if "exgrpo_async.cli" in cmd and "actor" in cmd:
             pids.append(child.pid)
     return pids
+
+
+def rank_main(model: str, plain_exit: bool) -> int:
+    """One of the bare round's two learner ranks (RANK, WORLD_SIZE and MASTER_* from the environment)."""
+    import torch
+
+    from exgrpo_async.config import RunConfig
+    from learner.policy import Policy
+    from learner.ranks import Ranks, end_rank_process
+    from learner.update import Seq, StepSettings
+
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype, cfg.learner.mixed_precision = model, "float32", "none"
+    cfg.learner.world_size, cfg.learner.device, cfg.learner.micro_batch_sequences = 2, "cpu", 3
+    torch.set_num_threads(1)
+    ranks = Ranks.from_env(2, "cpu", 60.0)
+    try:
+        torch.manual_seed(0)
+        policy = Policy(cfg, ranks, torch.device("cpu"))
+        if ranks.lead:
+            rng = random.Random(0)
+            for step in range(2):
+                comps = [[rng.randrange(4, 90) for _ in range(rng.randrange(2, 12))] + [2] for _ in range(16)]
+                seqs = [Seq([1, 5, 6], c, torch.full((len(c),), -2.0), rng.choice([-0.5, 0.5]), 0, i // 4,
+                            False, False) for i, c in enumerate(comps)]
+                policy.update(seqs, 4, StepSettings(clip=0.2), step)
+            policy.stop()
+        else:
+            policy.follow()
+    finally:
+        ranks.close()
+    if plain_exit:
+        return 0
+    end_rank_process(0)
+
+
+def bare_round(ending: str, model: Path, timeout_s: float) -> dict:
+    """Two learner ranks, no train: their exit codes and what they printed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, __file__, "--rank-of", str(model)] + (["--plain-exit"] if ending == "plain_exit" else [])
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(r)}) for r in range(2)]
+    errs, timed_out = [], False
+    for p in procs:
+        try:
+            errs.append(p.communicate(timeout=timeout_s)[1])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            errs.append(p.communicate()[1])
+            timed_out = True
+    text = "\n".join(errs)
+    return {"ending": ending, "rc": max(abs(p.returncode) for p in procs), "timed_out": timed_out,
+            "seconds": round(time.monotonic() - t0, 1), "acted": True, "expected_rc": 0,
+            "abort": any(s in text for s in ABORT_SIGNS) or any(p.returncode in (134, -6) for p in procs),
+            "rank_errors": [f"rank {r}: code {p.returncode}" for r, p in enumerate(procs) if p.returncode != 0],
+            "tail": text[-2000:]}
 
 
 def one_round(ending: str, out: Path, timeout_s: float) -> dict:
@@ -103,19 +173,31 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default="bench_out/rank_exit")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a round may take before it counts as hung")
-    ap.add_argument("--endings", default=",".join(ENDINGS), help="the endings to cycle through, comma-separated")
+    ap.add_argument("--endings", default=",".join(ENDINGS), help="the endings to cycle through, comma-separated "
+                    f"(of {', '.join(ENDINGS + ('plain_exit',))})")
+    ap.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: one bare rank on this model
+    ap.add_argument("--plain-exit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rank_of:
+        return rank_main(args.rank_of, args.plain_exit)
     endings = args.endings.split(",")
-    if not endings or not set(endings) <= set(ENDINGS):
-        ap.error(f"--endings: choose from {', '.join(ENDINGS)}")
+    if not endings or not set(endings) <= set(ENDINGS + ("plain_exit",)):
+        ap.error(f"--endings: choose from {', '.join(ENDINGS + ('plain_exit',))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    model = out / "bare-model"
+    if set(endings) & set(BARE) and not (model / "config.json").exists():
+        sys.path.insert(0, str(REPO))
+        from exgrpo_async.toy import build_model, build_tokenizer
+
+        build_tokenizer(model)
+        build_model(0).save_pretrained(str(model))
     rounds = []
     for i in range(args.rounds):
         ending = endings[i % len(endings)]
         folder = out / f"round-{i:03d}"
         folder.mkdir(exist_ok=True)
-        r = one_round(ending, folder, args.timeout)
+        r = bare_round(ending, model, args.timeout) if ending in BARE else one_round(ending, folder, args.timeout)
         r["wrong_rc"] = r["timed_out"] or r["rc"] != r["expected_rc"] or not r["acted"]
         if not (r["abort"] or r["rank_errors"] or r["wrong_rc"]):
             del r["tail"]
@@ -123,7 +205,7 @@ def main() -> int:
         print(f"round {i} {ending}: rc {r['rc']} in {r['seconds']} s; abort {r['abort']}; "
               f"rank errors {r['rank_errors']}", flush=True)
     table = ["| ending | rounds | aborts | rank errors | wrong exit code or hung | median s |", "|---|---|---|---|---|---|"]
-    for ending in ENDINGS:
+    for ending in ENDINGS + ("plain_exit",):
         rs = [r for r in rounds if r["ending"] == ending]
         if rs:
             secs = sorted(r["seconds"] for r in rs)
