@@ -93,144 +93,182 @@ def _sigterm_exits() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exgrpo_async import __version__
-
-    ap = argparse.ArgumentParser(prog="exgrpo-async", description=__doc__)
-    ap.add_argument("--version", action="version", version=f"exgrpo-async {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    common = _common()
-    p_train = sub.add_parser("train", parents=[common], help="train with a local learner and actors (default: the CPU demo)")
-    _config_args(p_train)
-    p_train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid "
-                         "checkpoint (its config.json is the default config; overrides such as learner.max_steps apply)")
-    p_train.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement, "
-                         "start nothing")
-    p_train.add_argument("--rehearse", action="store_true", help="rehearse a GPU config on this machine's CPU: its "
-                         "process topology, placement and code path at the toy shape, a few steps "
-                         "(exgrpo_async/rehearse.py; prints every setting it replaces)")
-    p_learner = sub.add_parser("learner", parents=[common], help="run the learner process")
-    _config_args(p_learner)
-    p_learner.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
-    p_learner.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
-    p_learner.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.host"))
-    p_actor = sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner")
-    where = p_actor.add_mutually_exclusive_group(required=True)
-    where.add_argument("--learner", help="the learner's address, tcp://HOST:PORT")
-    where.add_argument("--learner-file", metavar="PATH", help="read the address from the learner's RUN_DIR/learner.json, "
-                       "waiting for the learner to write it (up to 30 minutes); `train` starts its actors this way")
-    p_actor.add_argument("--cpu-cores", "--cpu-core", type=_core_list, metavar="LIST",
-                         help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
-    p_actor.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
-                         "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
-    p_actor.add_argument("--hello-retry-s", type=_seconds, metavar="SECONDS",
-                         help="say hello again after this long without an answer (default 30; each retry is logged)")
-    p_actor.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.actor_host"))
-    p_eval = sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per data source",
-                            description="Sample N completions per question with vLLM, score them with math-verify, "
-                            "print a table and write a JSON report. Prompt settings (data.*), dtype (model.dtype), "
-                            "engine (actor.engine.*), verifier (actor.verifier.*) and CPU threads per engine "
-                            "(actor.threads) come from --config and the dotted overrides.")
-    _config_args(p_eval)
-    p_eval.add_argument("--model", help="Hugging Face model folder or hub id (default: the config's model.path)")
-    p_eval.add_argument("--data", action="append", metavar="FILE", help="question file (JSONL, JSON array, parquet); "
-                        "repeat for several (default: the config's data.eval_file)")
-    p_eval.add_argument("--samples", type=int, help="N samples per question (default: rollout.eval_samples)")
-    p_eval.add_argument("--temperature", type=float, help="sampling temperature, 0 = greedy "
-                        "(default: rollout.eval_temperature)")
-    p_eval.add_argument("--max-tokens", type=int, help="longest completion (default: rollout.max_new_tokens)")
-    p_eval.add_argument("--actors", type=int, default=1, help="engine processes, each on its own CPU cores "
-                        "(actor.threads each) or GPUs, on a round-robin share of the questions (default: 1)")
-    p_eval.add_argument("--limit", type=int, help="only the first L questions of each data source")
-    p_eval.add_argument("--prompt-template", help="format string with {problem} (default: data.prompt_template)")
-    p_eval.add_argument("--chat-template", action="store_true", help="render prompts with the tokenizer's chat "
-                        "template (data.use_chat_template=true)")
-    p_eval.add_argument("--seed", type=int, default=0, help="sampling seed (engine process i uses seed+i)")
-    p_eval.add_argument("--out", help="JSON report (default: eval-<timestamp>.json next to the model folder)")
-    p_eval.add_argument("--save-completions", action="store_true", help="also write every decoded completion")
-    p_report = sub.add_parser("report", parents=[common], help="write a run's report (Markdown + PNG plots)",
-                              description="Read RUN_DIR/metrics.jsonl and summary.json and write RUN_DIR/report/"
-                              "report.md with PNG plots (a train run writes it at its end too).")
-    p_report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/demo/run-...)")
-    p_report.add_argument("--out", help="folder for report.md and the PNGs (default: RUN_DIR/report)")
-    _config_commands(sub.add_parser("config", help="show a resolved config, or what differs between two runs'"))
-    args = ap.parse_args(argv)
-
-    from exgrpo_async.logs import log_format, log_level, setup_logging
-
+    """Parse the command line, set up logging for the command's process, and run its handler."""
+    args = parser().parse_args(argv)
     if args.cmd == "config":
         return _config(args)
+    from exgrpo_async.logs import log_format, log_level
+
     try:
         log_format(args.log_format)
         log_level(args.log_level)
     except ValueError as e:  # a bad EXGRPO_LOG_FORMAT or EXGRPO_LOG_LEVEL
         print(f"exgrpo-async: {e}", file=sys.stderr)
         return 2
-    logs = {"fmt": args.log_format, "level_name": args.log_level}
-    if args.cmd == "report":
-        setup_logging("report", **logs)
-        return _report(args)
-    if args.cmd == "train":
-        setup_logging("launch", **logs)
-        from exgrpo_async.launch import train
+    return HANDLERS[args.cmd](args, {"fmt": args.log_format, "level_name": args.log_level})
 
-        if args.resume and not args.config:
-            args.config = os.path.join(args.resume, "config.json")
-            if not os.path.exists(args.config):
-                print(f"exgrpo-async: --resume {args.resume}: no config.json there (not a run folder?)", file=sys.stderr)
-                return 2
-        from exgrpo_async.metrics import check_trackers
-        from exgrpo_async.placement import PlacementError
 
-        if args.rehearse and args.resume:
-            print("exgrpo-async: --rehearse with --resume: a rehearsed run resumes as one (its config.json says so)",
-                  file=sys.stderr)
+def parser() -> argparse.ArgumentParser:
+    """The command line: one sub-command per process role, and the run tools (eval, report, config)."""
+    from exgrpo_async import __version__
+
+    ap = argparse.ArgumentParser(prog="exgrpo-async", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"exgrpo-async {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = _common()
+    _train_args(sub.add_parser("train", parents=[common], help="train with a local learner and actors "
+                               "(default: the CPU demo)"))
+    _learner_args(sub.add_parser("learner", parents=[common], help="run the learner process"))
+    _actor_args(sub.add_parser("actor", parents=[common], help="run one actor process that joins a learner"))
+    _eval_args(sub.add_parser("eval", parents=[common], help="score a model on benchmark files: avg@N and pass@N per "
+                              "data source", description="Sample N completions per question with vLLM, score them "
+                              "with math-verify, print a table and write a JSON report. Prompt settings (data.*), "
+                              "dtype (model.dtype), engine (actor.engine.*), verifier (actor.verifier.*) and CPU "
+                              "threads per engine (actor.threads) come from --config and the dotted overrides."))
+    p_report = sub.add_parser("report", parents=[common], help="write a run's report (Markdown + PNG plots)",
+                              description="Read RUN_DIR/metrics.jsonl and summary.json and write RUN_DIR/report/"
+                              "report.md with PNG plots (a train run writes it at its end too).")
+    p_report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/demo/run-...)")
+    p_report.add_argument("--out", help="folder for report.md and the PNGs (default: RUN_DIR/report)")
+    _config_commands(sub.add_parser("config", help="show a resolved config, or what differs between two runs'"))
+    return ap
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid "
+                   "checkpoint (its config.json is the default config; overrides such as learner.max_steps apply)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement, "
+                   "start nothing")
+    p.add_argument("--rehearse", action="store_true", help="rehearse a GPU config on this machine's CPU: its "
+                   "process topology, placement and code path at the toy shape, a few steps "
+                   "(exgrpo_async/rehearse.py; prints every setting it replaces)")
+
+
+def _learner_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--run-dir", help="run folder (default: a new folder under output_dir)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --run-dir")
+    p.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.host"))
+
+
+def _actor_args(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--learner", help="the learner's address, tcp://HOST:PORT")
+    where.add_argument("--learner-file", metavar="PATH", help="read the address from the learner's RUN_DIR/learner.json, "
+                       "waiting for the learner to write it (up to 30 minutes); `train` starts its actors this way")
+    p.add_argument("--cpu-cores", "--cpu-core", type=_core_list, metavar="LIST",
+                   help="pin this actor to these CPU cores, e.g. 0 or 2,3 (CPU engines: one per TP worker)")
+    p.add_argument("--keys", metavar="DIR", help="CurveZMQ key folder (ops/make-keys; needs server.key, "
+                   "client.key, client.key_secret) when the learner has transport.curve_keys_dir")
+    p.add_argument("--hello-retry-s", type=_seconds, metavar="SECONDS",
+                   help="say hello again after this long without an answer (default 30; each retry is logged)")
+    p.add_argument("--advertise-host", metavar="HOST", help=ADVERTISE_HELP.format(key="metrics.actor_host"))
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--model", help="Hugging Face model folder or hub id (default: the config's model.path)")
+    p.add_argument("--data", action="append", metavar="FILE", help="question file (JSONL, JSON array, parquet); "
+                   "repeat for several (default: the config's data.eval_file)")
+    p.add_argument("--samples", type=int, help="N samples per question (default: rollout.eval_samples)")
+    p.add_argument("--temperature", type=float, help="sampling temperature, 0 = greedy "
+                   "(default: rollout.eval_temperature)")
+    p.add_argument("--max-tokens", type=int, help="longest completion (default: rollout.max_new_tokens)")
+    p.add_argument("--actors", type=int, default=1, help="engine processes, each on its own CPU cores "
+                   "(actor.threads each) or GPUs, on a round-robin share of the questions (default: 1)")
+    p.add_argument("--limit", type=int, help="only the first L questions of each data source")
+    p.add_argument("--prompt-template", help="format string with {problem} (default: data.prompt_template)")
+    p.add_argument("--chat-template", action="store_true", help="render prompts with the tokenizer's chat "
+                   "template (data.use_chat_template=true)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (engine process i uses seed+i)")
+    p.add_argument("--out", help="JSON report (default: eval-<timestamp>.json next to the model folder)")
+    p.add_argument("--save-completions", action="store_true", help="also write every decoded completion")
+
+
+def _train(args, logs: dict) -> int:
+    """`train`: resolve the config (or its rehearsal, or the run's to resume), check it, launch the run."""
+    from exgrpo_async.logs import setup_logging
+
+    setup_logging("launch", **logs)
+    if args.resume and not args.config:
+        args.config = os.path.join(args.resume, "config.json")
+        if not os.path.exists(args.config):
+            print(f"exgrpo-async: --resume {args.resume}: no config.json there (not a run folder?)", file=sys.stderr)
             return 2
-        cfg = _rehearsal(args) if args.rehearse else _load(args)
-        try:
-            check_trackers(cfg.metrics.trackers)  # a missing extra fails now, not after the warm start
-        except ValueError as e:
-            print(f"exgrpo-async: {e}", file=sys.stderr)
-            return 2
-        try:
-            if args.dry_run:
-                from exgrpo_async.launch import dry_run
+    from exgrpo_async.launch import dry_run, train
+    from exgrpo_async.metrics import check_trackers
+    from exgrpo_async.placement import PlacementError
 
-                return dry_run(cfg)
-            return train(cfg, resume_dir=args.resume)
-        except PlacementError as e:
-            print(f"exgrpo-async: placement: {e}", file=sys.stderr)
-            return 2
-    if args.cmd == "learner":
-        setup_logging("learner", **logs)
-        _sigterm_exits()
-        _advertise(args.advertise_host)
-        if args.resume and not args.run_dir:
-            print("exgrpo-async: learner --resume needs --run-dir", file=sys.stderr)
-            return 2
-        from exgrpo_async import preflight
-        from exgrpo_async.launch import reward_function_loads
+    if args.rehearse and args.resume:
+        print("exgrpo-async: --rehearse with --resume: a rehearsed run resumes as one (its config.json says so)",
+              file=sys.stderr)
+        return 2
+    cfg = _rehearsal(args) if args.rehearse else _load(args)
+    try:
+        check_trackers(cfg.metrics.trackers)  # a missing extra fails now, not after the warm start
+    except ValueError as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return 2
+    try:
+        return dry_run(cfg) if args.dry_run else train(cfg, resume_dir=args.resume)
+    except PlacementError as e:
+        print(f"exgrpo-async: placement: {e}", file=sys.stderr)
+        return 2
 
-        cfg = _load(args)
-        lead = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads the data and writes the run
-        if not reward_function_loads(cfg) or not preflight.report(preflight.check_learner(cfg, args.run_dir, lead)):
-            return 2
-        from learner.main import main as learner_main
 
-        return learner_main(cfg, args.run_dir, args.resume)
-    if args.cmd == "actor":
-        setup_logging("actor", str(os.getpid()), **logs)
-        _sigterm_exits()
-        _advertise(args.advertise_host)
-        from actors.main import main as actor_main
+def _learner(args, logs: dict) -> int:
+    """`learner`: the learner process (one rank of it under torchrun), after its pre-flight checks."""
+    from exgrpo_async.logs import setup_logging
 
-        actor_main(args.learner, args.cpu_cores, args.keys, args.hello_retry_s, args.learner_file)
-    if args.cmd == "eval":
-        setup_logging("eval", **logs)
-        from exgrpo_async.launch import reward_function_loads
+    setup_logging("learner", **logs)
+    _sigterm_exits()
+    _advertise(args.advertise_host)
+    if args.resume and not args.run_dir:
+        print("exgrpo-async: learner --resume needs --run-dir", file=sys.stderr)
+        return 2
+    from exgrpo_async import preflight
+    from exgrpo_async.launch import reward_function_loads
 
-        cfg = _load(args)
-        return _eval(args, cfg) if reward_function_loads(cfg) else 2
-    return 2
+    cfg = _load(args)
+    lead = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads the data and writes the run
+    if not reward_function_loads(cfg) or not preflight.report(preflight.check_learner(cfg, args.run_dir, lead)):
+        return 2
+    from learner.main import main as learner_main
+
+    return learner_main(cfg, args.run_dir, args.resume)
+
+
+def _actor(args, logs: dict) -> int:
+    """`actor`: one actor process, joining the learner at --learner or --learner-file."""
+    from exgrpo_async.logs import setup_logging
+
+    setup_logging("actor", str(os.getpid()), **logs)
+    _sigterm_exits()
+    _advertise(args.advertise_host)
+    from actors.main import main as actor_main
+
+    actor_main(args.learner, args.cpu_cores, args.keys, args.hello_retry_s, args.learner_file)
+    return 2  # actor_main ends the process itself; returning means it refused to start
+
+
+def _eval_command(args, logs: dict) -> int:
+    from exgrpo_async.launch import reward_function_loads
+    from exgrpo_async.logs import setup_logging
+
+    setup_logging("eval", **logs)
+    cfg = _load(args)
+    return _eval(args, cfg) if reward_function_loads(cfg) else 2
+
+
+def _report_command(args, logs: dict) -> int:
+    from exgrpo_async.logs import setup_logging
+
+    setup_logging("report", **logs)
+    return _report(args)
+
+
+HANDLERS = {"train": _train, "learner": _learner, "actor": _actor, "eval": _eval_command, "report": _report_command}
 
 
 def _config_commands(p_config: argparse.ArgumentParser) -> None:
