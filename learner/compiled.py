@@ -6,12 +6,14 @@ their softmax for log-probs and entropy). `torch.compile` fuses those into few k
 - each decoder layer's `forward` is compiled in place (parameter names and FSDP2's hooks stay as they
   are and run eagerly around it; all layers share the graphs, compiled with dynamic shapes, so new row
   widths and sequence counts reuse them, a few shape ranges aside);
-- the attention kernels of learner/attention.py are excluded from the graph (`torch.compiler.disable`):
-  the packed segments reach them unseen by the compiler, so new segment boundaries do not recompile;
+- without checkpointing the attention kernels of learner/attention.py are excluded from the graph
+  (`torch.compiler.disable`): the packed segments reach them unseen by the compiler, so new segment
+  boundaries do not recompile (under checkpointing, their traceable variants: below);
 - the head's per-chunk log-prob and entropy (learner/grpo.py) is compiled with its activation checkpoint
   inside the graph, so the recompute in its backward is part of the same compiled graph.
-"auto" on a CUDA learner compiles the head, and the layers too unless they are checkpointed; on CPU it
-compiles nothing (minutes of compiling for the toy's seconds of work). "head": the head alone; "on": both.
+"auto" on a CUDA learner compiles the head and the layers (checkpointed ones as below, given a traceable
+attention backend); on CPU it compiles nothing (minutes of compiling for the toy's seconds of work). "head":
+the head alone; "on": both.
 
 The layers under gradient checkpointing: the checkpoint goes inside each layer's graph (torch.compile's own
 activation checkpointing: the backward graph recomputes the layer, so the recompute is the forward's own
