@@ -447,24 +447,24 @@ def sum_replicated_grads(model: torch.nn.Module) -> None:
         p.grad = g.view_as(p).clone()
 
 
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `grads`, sharded (DTensors: the whole gradient's, on every rank) or not."""
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    parts = [torch.nn.utils.get_total_norm(sharded, 2.0).full_tensor()] if sharded else []
-    if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, 2.0))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.linalg.vector_norm(torch.stack(parts), 2.0) if parts else torch.zeros(())
+def _total_norm(sharded: list[torch.nn.Parameter], plain: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the whole gradient: of the sharded parameters' (DTensors: the norm over every rank's
+    shards, on every rank) and of the plain ones' (whole on this rank) together."""
+    parts = [torch.nn.utils.get_total_norm([p.grad for p in sharded], 2.0).full_tensor()] if sharded else []
+    parts += [torch.nn.utils.get_total_norm([p.grad for p in plain], 2.0)] if plain else []
+    if not parts:
+        return torch.zeros(())
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), 2.0)
 
 
 def optimizer_step(model, opt, L, updates_so_far: int, res: UpdateResult) -> None:
     """Clip, check and apply the accumulated gradient (or skip and count it)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = _total_norm([p.grad for p in params])
-    for group in (p for p in params if isinstance(p, DTensor)), (p for p in params if not isinstance(p, DTensor)):
-        torch.nn.utils.clip_grads_with_norm_(list(group), L.grad_clip, norm)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    norm = _total_norm(sharded, plain)
+    for group in (sharded, plain):  # one clip cannot take DTensors and plain tensors together
+        torch.nn.utils.clip_grads_with_norm_(group, L.grad_clip, norm)
     gn = float(norm)
     res.norms.append(gn)
     if not math.isfinite(gn) or gn > L.skip_grad_norm:

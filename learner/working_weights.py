@@ -80,6 +80,12 @@ class WorkingWeights:
         self.casts += n
         return n
 
+    def remove(self) -> None:
+        """Put the modules back as they were (their own forward, no working copy): autocast's casts again."""
+        for m in self.modules:
+            vars(m).pop("forward", None)
+            del m.working_weight
+
     def head_copy(self, head: torch.nn.Module) -> torch.Tensor | None:
         """The output head's working copy (None when the head has none)."""
         return getattr(head, "working_weight", None) if head in self.modules else None

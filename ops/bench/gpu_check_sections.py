@@ -531,9 +531,7 @@ def _working(model, forward, on: bool) -> None:
     if on and getattr(forward, "working", None) is None:
         forward.working = WorkingWeights(model)
     elif not on and getattr(forward, "working", None) is not None:
-        for m in forward.working.modules:
-            vars(m).pop("forward", None)
-            del m.working_weight
+        forward.working.remove()
         forward.working = None
 
 

@@ -79,3 +79,10 @@ def test_masters_move_at_lr_1e_6_where_bf16_weights_would_not(tiny_untied):
         lost_in_bf16 += int((changed & (w.to(torch.bfloat16) == w0.to(torch.bfloat16))).sum())
     total = sum(p.numel() for p in model.parameters())
     assert moved > 0.5 * total and lost_in_bf16 > 0.5 * moved, (moved, lost_in_bf16, total)
+
+
+def test_removed_working_weights_leave_the_plain_modules(tiny_untied):
+    model, forward, _, ww = _learner(tiny_untied, True, 1e-3)
+    ww.remove()
+    assert all("forward" not in vars(m) and not hasattr(m, "working_weight") for m in ww.modules)
+    assert "working_weight" not in dict(model.named_buffers(prefix="", recurse=True)).keys()
