@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
@@ -247,13 +247,13 @@ class LearnerConfig(_Strict):
     Log-probs and entropies are always reduced in fp32. "auto": "bf16" where this machine computes bf16
     fast, else "none", decided with `model.dtype="auto"` (exgrpo_async/precision.py)."""
     attention: Literal["auto", "sdpa", "varlen", "per_sequence"] = "auto"
-    """How the learner's decoder keeps each sequence of a packed row to itself (learner/attention.py).
+    """How the learner's decoder keeps each sequence of a packed row to itself (learner/maths/attention.py).
     "sdpa": transformers' block-diagonal mask over the whole row (every pair of a W-wide row computed);
     "varlen": PyTorch's variable-length flash attention, causal within each sequence (CUDA, bf16);
     "per_sequence": one causal SDPA call per sequence (any device and dtype). "auto": "varlen" on a
     CUDA learner computing in bf16, else "sdpa". A start-up check proves the choice keeps sequences apart."""
     compile: Literal["auto", "on", "head", "off"] = "auto"
-    """Compile the learner's model in regions with `torch.compile` (learner/compiled.py): each decoder
+    """Compile the learner's model in regions with `torch.compile` (learner/maths/compiled.py): each decoder
     layer's body, and the output head's log-prob and entropy, fusing the
     memory-bound work between the matrix multiplies (the 1.5B step on an H200: 1.67 s with both compiled
     and no checkpointing, 2.61 s with the head alone compiled and checkpointing, 3.01 s eager with checkpointing;
@@ -596,7 +596,7 @@ class RunConfig(_Strict):
         if L.compile == "on" and L.gradient_checkpointing and L.attention == "sdpa":
             raise ValueError("learner.compile='on' with learner.gradient_checkpointing=true needs learner.attention "
                              "'per_sequence', 'varlen' or 'auto' (a checkpointed layer is compiled whole, and the "
-                             "'sdpa' path builds its packed mask on the host: learner/compiled.py)")
+                             "'sdpa' path builds its packed mask on the host: learner/maths/compiled.py)")
         return self
 
 

@@ -28,11 +28,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from learner.buffer import ExperienceBuffer
+from learner.maths.buffer import ExperienceBuffer
 from learner.model import save_policy
 
 log = logging.getLogger("exgrpo_async.learner.checkpoint")

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from exgrpo_async.rollout import Purpose
-from learner.buffer import Trajectory
+from learner.maths.buffer import Trajectory
 
 _ID_EPOCH = 1 << 40  # work ids of a restarted learner start at the next multiple (see load_state_dict)
 

@@ -5,7 +5,7 @@ The loop hands each accepted group to `add` and calls `finish` once B groups are
 - `Accumulator` (`learner.overlap_arrival`, one learner rank, one mini-batch per step): forwards and
   back-propagates a micro-batch as soon as the forwarded sequences already received fill one, and the
   rest after the last group. This is the same gradient as the whole-batch update, summation order
-  apart: the loss scale D = B x K x L_max (learner/loss_scale.py) is fixed before any group arrives
+  apart: the loss scale D = B x K x L_max (learner/maths/loss_scale.py) is fixed before any group arrives
   (every group holds K sequences: the server re-issues a group of any other size), the weights do not
   change before the optimizer step, and every group's advantages are its own. The batch keeps arrival
   order: with one mini-batch, the order of groups changes nothing but that summation order. Its
@@ -27,10 +27,22 @@ import time
 
 from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
-from learner.loss_scale import LossScale
+from learner.maths.loss_scale import LossScale
+from learner.maths.update import (
+    Batch,
+    OptimizerUpdate,
+    StepSettings,
+    UpdateResult,
+    add_group,
+    assemble,
+    cut_micro_batches,
+    empty_batch,
+    finish_result,
+    forwarded,
+    minibatch_order,
+    read_phases,
+)
 from learner.policy import Policy
-from learner.update import (Batch, OptimizerUpdate, StepSettings, UpdateResult, add_group, assemble, cut_micro_batches,
-                            empty_batch, finish_result, forwarded, minibatch_order, read_phases)
 
 
 class WholeBatch:

@@ -1,7 +1,7 @@
 """The trained policy on this learner rank, and the operations all ranks run on it together.
 
 fp32 master weights and AdamW state; compute in bf16 under autocast with `learner.mixed_precision="bf16"`,
-one rank's matmul weights cast to bf16 once per optimizer update (learner/working_weights.py).
+one rank's matmul weights cast to bf16 once per optimizer update (learner/maths/working_weights.py).
 With `learner.world_size` > 1 the model is sharded with FSDP2 (`fully_shard` on every decoder layer, then
 on the `LogProbs` root that holds embeddings, final norm and output head; with bf16 the layers' linear
 weights are gathered in bf16 and the rest in fp32, as one rank's autocast computes: `shard`; fp32
@@ -13,7 +13,7 @@ and receive their shards from it (`receive_weights`), so no rank but the lead ev
 
 Every operation below is collective: the lead calls it (announcing it to the followers first) and each
 follower runs it from `follow()`, with the same arguments:
-- update: one step's optimizer updates (learner/update.py, the batch split over ranks by tokens);
+- update: one step's optimizer updates (learner/maths/update.py, the batch split over ranks by tokens);
 - score: ExGRPO's selection pass, each rank scoring its share of the stored trajectories;
 - publish: the weights gathered parameter by parameter, a bucket at a time, into the publisher's
   persistent buffers on the lead (never the whole model twice on any rank);
@@ -27,22 +27,27 @@ import logging
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.seams import WeightSender
 from exgrpo_async.weight_sync import full_tensor, plan_buckets
-from learner import attention, compiled
-from learner.grpo import LogProbs, check_no_cross_attention
+from learner.maths import attention, compiled
+from learner.maths.collectives import split_by_tokens
+from learner.maths.grpo import LogProbs, check_no_cross_attention
+from learner.maths.packing import micro_batches
+from learner.maths.replay import score_trajectories
+from learner.maths.update import Seq, StepSettings, UpdateResult, update_policy
+from learner.maths.working_weights import WorkingWeights
 from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
-from learner.packing import micro_batches
-from learner.ranks import Ranks, split_by_tokens
-from learner.replay import score_trajectories
-from learner.update import Seq, StepSettings, UpdateResult, update_policy
-from learner.working_weights import WorkingWeights
+from learner.ranks import Ranks
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -50,7 +55,7 @@ log = logging.getLogger("exgrpo_async.learner")
 def shard(model: torch.nn.Module, mixed_precision: str, compiled_head: bool = False) -> LogProbs:
     """FSDP2 over the default process group: each decoder layer a unit, the `LogProbs` root the last.
 
-    With bf16 the ranks compute as one rank does under autocast (learner/grpo.py), so 1 and N ranks
+    With bf16 the ranks compute as one rank does under autocast (learner/maths/grpo.py), so 1 and N ranks
     train alike: a layer's linear weights and biases are gathered in bf16 (autocast would cast them
     to bf16 for each matmul: the same rounding), while its norms, the embeddings and the head stay fp32
     (autocast leaves a norm's weight fp32 and casts the head for its matmul) and the residual stream
@@ -58,7 +63,7 @@ def shard(model: torch.nn.Module, mixed_precision: str, compiled_head: bool = Fa
     instead casts every parameter and each layer's input to bf16: the loss of a one-step run differed by
     5% between 1 and 2 ranks. The layers' norms are replicated, not sharded (FSDP2 ignores them: a few
     KB a layer): a unit of their own would put FSDP2's hooks inside the layer, where they break a
-    compiled layer's graph. learner/update.py sums their gradients over the ranks (`sum_replicated_grads`)
+    compiled layer's graph. learner/maths/update.py sums their gradients over the ranks (`sum_replicated_grads`)
     and `param_groups` gives them an optimizer group of their own (plain tensors beside DTensors)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -128,7 +133,7 @@ class Policy:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compiled.layers:
             compiled.compile_layers(self.model, checkpointed=in_graph)
-        # one rank computing in bf16: its matmuls' weights cast once per update (learner/working_weights.py);
+        # one rank computing in bf16: its matmuls' weights cast once per update (learner/maths/working_weights.py);
         # sharded ranks gather theirs in bf16 (`shard`)
         self.working = WorkingWeights(self.model) if self.bf16 and ranks.world == 1 else None
         self.forward = (shard(self.model, L.mixed_precision, self.compiled.head) if ranks.world > 1

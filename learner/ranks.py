@@ -202,16 +202,3 @@ def end_rank_process(rc: int) -> NoReturn:
     returns right after its last broadcast; `ops/bench/rank_exit_stress.py --endings bare,plain_exit` counts
     them. One rank ends the same way: finalizing torch takes seconds."""
     end_process(rc)
-
-
-def split_by_tokens(lengths: list[int], world: int) -> list[list[int]]:
-    """Indices of `lengths` dealt to `world` ranks so their token counts are close (longest first, each
-    to the rank with the fewest tokens so far; ties to the lower rank). Deterministic: every rank
-    computes the same split. Each rank's indices come back in ascending order."""
-    shares: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        shares[r].append(i)
-        load[r] += lengths[i]
-    return [sorted(s) for s in shares]

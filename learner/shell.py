@@ -24,19 +24,25 @@ from exgrpo_async.logs import log_format
 from exgrpo_async.metrics import check_trackers
 from exgrpo_async.rollout import RolloutGroup
 from exgrpo_async.weight_sync import WeightPublisher
-from learner.checkpoint import (latest_valid, load_checkpoint, pack_ragged, read_training_state, save_checkpoint,
-                                unpack_ragged)
+from learner.checkpoint import (
+    latest_valid,
+    load_checkpoint,
+    pack_ragged,
+    read_training_state,
+    save_checkpoint,
+    unpack_ragged,
+)
 from learner.dispatch import Dispatcher, WorkItem
-from learner.experience import Experience
 from learner.inbox import Inbox, fill_batch, paired_gain, question_books, run_eval, without_per_question
+from learner.maths.experience import Experience
+from learner.maths.update import Batch, StepSettings
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import pick_device, save_policy
+from learner.overlap import Accumulator, WholeBatch
 from learner.policy import Policy
 from learner.ranks import Ranks
 from learner.server import LearnerServer, actor_idle_share
 from learner.trackers import Trackers
-from learner.overlap import Accumulator, WholeBatch
-from learner.update import Batch, StepSettings
 
 log = logging.getLogger("exgrpo_async.learner")
 STOP_FILE = "STOP"  # `touch RUN_DIR/STOP` ends a run after its current step, finished as at max_steps
@@ -413,6 +419,7 @@ class Shell:
 
 def held_out_curve(metrics: Path, summary: dict, last_step: int) -> list[dict]:
     """summary.json's held_out_curve, from metrics.jsonl's eval rows and the evaluations before and after."""
-    from exgrpo_async.report import held_out_curve as curve, read_metrics  # matplotlib's import, at the end only
+    from exgrpo_async.report import held_out_curve as curve  # matplotlib's import, at the end only
+    from exgrpo_async.report import read_metrics
 
     return curve(read_metrics(metrics)[1], summary, last_step)

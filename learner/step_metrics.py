@@ -7,7 +7,7 @@ were stored, re-verified by the actor). Field meanings: docs/metrics.md.
 
 from __future__ import annotations
 
-from learner.update import Batch, UpdateResult
+from learner.maths.update import Batch, UpdateResult
 
 
 def is_stats(stats: list[dict]) -> dict:

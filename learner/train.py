@@ -5,9 +5,9 @@ On-policy GRPO (Dr.GRPO variant) with asynchronous actors, and ExGRPO experience
 - actors pull work from the dispatcher and stream back groups of K completions; the dispatcher's
   admission cap keeps at most `max_staleness` versions of work in flight, and groups that still arrive
   too stale are dropped and re-issued (an experience group with its replayed trajectory), counted;
-- the update (learner/update.py) is decoupled PPO against pi_prox with truncated importance weights for
+- the update (learner/maths/update.py) is decoupled PPO against pi_prox with truncated importance weights for
   stale or numerically different behaviour log-probs, every loss term on one `LossScale`;
-- ExGRPO's step-end rules (learner/experience.py) retire, collect, switch and choose the next replays;
+- ExGRPO's step-end rules (learner/maths/experience.py) retire, collect, switch and choose the next replays;
 - each step bumps the policy version and publishes the weights; actors fetch them before their next
   batch. Held-out accuracy is measured by the actors themselves (eval work items).
 The process shell (model, server, publisher, checkpoints, evaluation) lives in learner/shell.py.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.report import write_report
+from learner.maths.update import StepSettings
+from learner.ranks import Ranks
 from learner.shell import Shell
 from learner.step_metrics import batch_stats, loss_stats, phase_seconds
-from learner.ranks import Ranks
-from learner.update import StepSettings
 
 log = logging.getLogger("exgrpo_async.learner")
 

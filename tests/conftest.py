@@ -69,7 +69,7 @@ def _quiet_single_thread():
 # vLLM's CPU platform writes these into the environment of any process that builds an engine (a test
 # worker does, for the in-process engines), and every process started after inherits them: with
 # TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 the GPU check's compiled step corrupted its heap (CI's failures of
-# tests/unit/test_gpu_check.py; learner/compiled.py `fixed_cpu_threads`), LD_PRELOAD loads libraries into it.
+# tests/unit/test_gpu_check.py; learner/maths/compiled.py `fixed_cpu_threads`), LD_PRELOAD loads libraries into it.
 VLLM_ENV = ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "LD_PRELOAD", "OMP_NUM_THREADS",
             "NUMEXPR_MAX_THREADS", "LOCAL_WORLD_SIZE")
 _SESSION_ENV = {k: os.environ.get(k) for k in VLLM_ENV}

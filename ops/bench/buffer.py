@@ -27,7 +27,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from learner.buffer import ExperienceBuffer, Trajectory  # noqa: E402
+from learner.maths.buffer import ExperienceBuffer, Trajectory  # noqa: E402
 
 PER_QUESTION = 4
 

@@ -15,10 +15,10 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
  7. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
                do), sdpa against varlen attention, foreach against fused AdamW, with and without bf16
-               working weights (learner/working_weights.py, "_ww"), eager against compiled regions
-               (learner/compiled.py: layers and head without gradient checkpointing, the head alone with
+               working weights (learner/maths/working_weights.py, "_ww"), eager against compiled regions
+               (learner/maths/compiled.py: layers and head without gradient checkpointing, the head alone with
                it, or both with the checkpoint inside each layer's graph, "_compiled_ckpt"): tokens/s,
-               phase times, peak memory against learner/memory_model.py, MFU counted two ways, the
+               phase times, peak memory against learner/maths/memory_model.py, MFU counted two ways, the
                compiled variants' warm-up (until a step compiles nothing new), and each variant's first
                step (the same batch) against the eager one's ("match_vs_eager")
  8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising

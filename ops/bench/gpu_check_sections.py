@@ -1,6 +1,6 @@
 """The sections of ops/bench/gpu_check.py, one function each: `section(ctx) -> dict` of figures.
 
-Each builds what it needs (random-weight models from learner/memory_model.py's shapes; no hub) and
+Each builds what it needs (random-weight models from learner/maths/memory_model.py's shapes; no hub) and
 leaves nothing behind but what `Context.keep` holds for a later section. `ctx.tiny` swaps in toy
 shapes, so the CPU rehearsal (tests/unit/test_gpu_check.py) runs every line that does not need CUDA.
 """
@@ -16,11 +16,11 @@ import statistics
 import threading
 import time
 
-import torch
-
 import gpu_gaps
+import torch
 from gpu_sync_check import REPO
-from learner.memory_model import QWEN25_7B, QWEN25_15B, Shape, qwen2_config, rank_bytes
+
+from learner.maths.memory_model import QWEN25_7B, QWEN25_15B, Shape, qwen2_config, rank_bytes
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 TINY_15B = Shape("tiny (1.5B stand-in)", 64, 160, 2, 4, 2, 512, True)
@@ -163,8 +163,8 @@ def env(ctx: Context) -> dict:
 
 # ----------------------------------------------------------------------------------------- 2. imports
 IMPORTS = ["exgrpo_async.config", "exgrpo_async.placement", "exgrpo_async.layout", "exgrpo_async.weight_sync",
-           "exgrpo_async.fingerprint", "learner.attention", "learner.policy", "learner.update",
-           "learner.memory_model", "learner.shell", "learner.main"]
+           "exgrpo_async.fingerprint", "learner.maths.attention", "learner.policy", "learner.maths.update",
+           "learner.maths.memory_model", "learner.shell", "learner.main"]
 
 
 def imports(ctx: Context) -> dict:
@@ -231,10 +231,10 @@ def _lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
 
 def attention(ctx: Context) -> dict:
     """One packed row of 16k tokens at the 1.5B width (2 layers): each backend against every sequence alone."""
-    from learner import attention as att
-    from learner import grpo
-    from learner.grpo import rows_logprobs
-    from learner.packing import pack_rows
+    from learner.maths import attention as att
+    from learner.maths import grpo
+    from learner.maths.grpo import rows_logprobs
+    from learner.maths.packing import pack_rows
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     width = 512 if ctx.tiny else 16384
@@ -327,7 +327,7 @@ def fingerprint(ctx: Context) -> dict:
 # -------------------------------------------------------------------------------------------- 6. head
 def head(ctx: Context) -> dict:
     """The output head (fp32 logits, checkpointed chunks) over 16k positions at several chunk sizes."""
-    from learner.grpo import token_logprobs
+    from learner.maths.grpo import token_logprobs
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     rows, width = (4, 128) if ctx.tiny else (4, 4096)
@@ -360,7 +360,7 @@ def _step_cfg(path: str, budget: int, max_new: int):
 
 
 def _seqs(n_groups: int, k: int, vocab: int, prompt: tuple[int, int], comp: tuple[int, int], seed: int):
-    from learner.update import Seq
+    from learner.maths.update import Seq
 
     rng = random.Random(seed)
     out = []
@@ -386,8 +386,8 @@ def _flops(s: Shape, layers: int, lengths: list[int], rows_widths: list[int] | N
 def _row_widths(batch: list, cfg, budget: int) -> list[int]:
     """The packed rows' widths for the "as computed" FLOPs: the step's sequences cut into micro-batches
     as one mini-batch (an approximation: the step cuts each of its mini-batches apart)."""
-    from learner.packing import pack_rows
-    from learner.update import cut_micro_batches
+    from learner.maths.packing import pack_rows
+    from learner.maths.update import cut_micro_batches
 
     parts = cut_micro_batches(batch, list(range(len(batch))), cfg.learner)
     return [pack_rows([batch[i].prompt for i in part], [batch[i].completion for i in part], 0,
@@ -397,25 +397,25 @@ def _row_widths(batch: list, cfg, budget: int) -> list[int]:
 def step_15b(ctx: Context) -> dict:
     """`update_policy` at the 1.5B shape (packed 16k rows, 2 mini-batches) on each wrapper, attention
     backend and AdamW, with and without bf16 working weights, eager (gradient checkpointing) and compiled
-    (learner/compiled.py: without checkpointing, as configs/qwen2.5-math-1.5b-8gpu.toml trains; the head
+    (learner/maths/compiled.py: without checkpointing, as configs/qwen2.5-math-1.5b-8gpu.toml trains; the head
     alone; the layers with their checkpoint inside their graphs)."""
-    from learner import attention as att
+    from learner.maths import attention as att
+    from learner.maths.grpo import LogProbs
     from learner.policy import param_groups, shard
-    from learner.grpo import LogProbs
     from learner.ranks import Ranks
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
     budget, max_new = (512, 96) if ctx.tiny else (16384, 3072)
     prompt, comp = ((8, 24), (16, 96)) if ctx.tiny else ((100, 600), (200, 3072))
     cfg = _step_cfg("qwen2.5-math-1.5b-8gpu.toml", budget, max_new)
-    torch._dynamo.config.recompile_limit = 64  # many compiled set-ups in one process (learner/compiled.py: 16)
+    torch._dynamo.config.recompile_limit = 64  # many compiled set-ups in one process (learner/maths/compiled.py: 16)
     cfg.learner.lr = 1e-30  # the same kernels; updates below any fp32 weight's spacing: weights that never move (`_match`)
     ctx.dist()
     model = _model(s, s.layers, ctx.device, max_positions=budget)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ranks = Ranks(0, 1, ctx.device)
     fast = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
-    # (wrapper, attention, fused AdamW, compiled regions, bf16 working weights: learner/working_weights.py,
+    # (wrapper, attention, fused AdamW, compiled regions, bf16 working weights: learner/maths/working_weights.py,
     # the unsharded learner's way in bf16)
     ww = ctx.bf16
     variants = [("unsharded", "sdpa", False, False, False), ("unsharded", fast, False, False, False),
@@ -430,7 +430,7 @@ def step_15b(ctx: Context) -> dict:
     r = {"shape": s.name, "budget": budget, "peak_bf16_flops": ctx.peak_flops,
          "memory_model_gb_world1": rank_bytes(s, budget, 1) / 1e9}
     forward = LogProbs(model)
-    # compiled: learner/compiled.py's regions, layers and head without gradient checkpointing, the head
+    # compiled: learner/maths/compiled.py's regions, layers and head without gradient checkpointing, the head
     # alone with checkpointing, or both with the checkpoint inside each layer's graph ("ckpt": what
     # learner.compile "auto" runs with checkpointing now)
     suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head", "ckpt": "_compiled_ckpt"}
@@ -449,7 +449,7 @@ def step_15b(ctx: Context) -> dict:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_it == "ckpt":
-            for layer in model.model.layers:  # the checkpoint is inside each compiled layer (learner/compiled.py)
+            for layer in model.model.layers:  # the checkpoint is inside each compiled layer (learner/maths/compiled.py)
                 layer.gradient_checkpointing = False
         att.use(model, backend, traceable=compile_it == "ckpt")
         opt = torch.optim.AdamW(param_groups(model), lr=cfg.learner.lr, betas=(0.9, 0.999), weight_decay=0.01,
@@ -477,7 +477,7 @@ def step_15b(ctx: Context) -> dict:
 def _timed_step(ctx: Context, s: Shape, cfg, forward, opt, seqs, ranks, budget: int, backend: str,
                 compile_it: bool | str) -> dict:
     """One step_1.5b variant: warmed up (compiled: until nothing new compiles), then `ctx.steps` timed steps."""
-    from learner.update import StepSettings, update_policy
+    from learner.maths.update import StepSettings, update_policy
 
     t_warm = time.perf_counter()
     warm_ups = _warm_up(ctx, functools.partial(_one_step, forward, opt, seqs, cfg, ctx.device, ranks), compile_it)
@@ -524,9 +524,9 @@ def _match(r: dict, name: str, wrapper: str) -> None:
 
 
 def _working(model, forward, on: bool) -> None:
-    """bf16 working weights on the unsharded model (learner/working_weights.py), or the plain linear
+    """bf16 working weights on the unsharded model (learner/maths/working_weights.py), or the plain linear
     layers back (autocast's casts)."""
-    from learner.working_weights import WorkingWeights
+    from learner.maths.working_weights import WorkingWeights
 
     if on and getattr(forward, "working", None) is None:
         forward.working = WorkingWeights(model)
@@ -536,7 +536,7 @@ def _working(model, forward, on: bool) -> None:
 
 
 def _one_step(forward, opt, seqs, cfg, device, ranks, k: int) -> None:
-    from learner.update import StepSettings, update_policy
+    from learner.maths.update import StepSettings, update_policy
 
     update_policy(forward, opt, seqs(k), 4, cfg, StepSettings(clip=0.2), device, 0, 0, ranks)
 
@@ -557,10 +557,10 @@ def _warm_up(ctx: Context, step, compiled: bool | str) -> int:
 
 
 def _compiled(model, forward, on: bool | str) -> None:
-    """Compile the model's regions as `learner.compile` does (learner/compiled.py), or put them back eager;
+    """Compile the model's regions as `learner.compile` does (learner/maths/compiled.py), or put them back eager;
     "head": the head alone (its checkpoint inside its graph), the layers eager; "ckpt": both, each layer
     with its checkpoint inside its graph."""
-    from learner import compiled
+    from learner.maths import compiled
 
     for layer in model.model.layers:  # eager first (a former variant may have compiled them another way)
         vars(layer).pop("forward", None)
@@ -592,10 +592,10 @@ def profile(ctx: Context) -> dict:
     and the device's idle time (ops/bench/gpu_gaps.py); the step compiled without gradient checkpointing;
     on request (ON_REQUEST) the head's chunk at 512 positions, eager without checkpointing and the head
     alone compiled; and last the layers compiled under checkpointing, the checkpoint inside each layer's
-    graph (learner/compiled.py; new on a GPU: its time and kernels, or the step's error if it meets one)."""
-    from learner import attention as att
-    from learner import grpo
-    from learner.grpo import LogProbs
+    graph (learner/maths/compiled.py; new on a GPU: its time and kernels, or the step's error if it meets one)."""
+    from learner.maths import attention as att
+    from learner.maths import grpo
+    from learner.maths.grpo import LogProbs
     from learner.ranks import Ranks
 
     s = TINY_15B if ctx.tiny else QWEN25_15B
@@ -668,7 +668,8 @@ def profile(ctx: Context) -> dict:
 
 
 def _by_category(fn) -> dict:
-    from torch.profiler import ProfilerActivity, profile as prof_
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_
 
     with prof_(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -693,11 +694,11 @@ def memory_7b(ctx: Context) -> dict:
     masters, fused AdamW, gradient checkpointing, 16k-token micro-batches): the step's peak against the
     memory model at that depth; then two publishes and the buffer sets they leave on the device."""
     from exgrpo_async.weight_sync import WeightPublisher
-    from learner import attention as att
+    from learner.maths import attention as att
+    from learner.maths.update import StepSettings, update_policy
     from learner.model import named_parameters_for_sync
     from learner.policy import param_groups, shard
     from learner.ranks import Ranks
-    from learner.update import StepSettings, update_policy
 
     full = TINY_7B if ctx.tiny else QWEN25_7B
     layers = 2 if ctx.tiny else 4
@@ -709,7 +710,7 @@ def memory_7b(ctx: Context) -> dict:
     model = _model(s, layers, ctx.device, max_positions=budget)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backend = "varlen" if att.varlen_available(ctx.device) else "per_sequence"
-    from learner import compiled
+    from learner.maths import compiled
 
     ckpt = cfg.learner.gradient_checkpointing
     regions = compiled.resolve(cfg.learner.compile, ctx.device, ckpt, backend)  # as the config runs
@@ -738,7 +739,7 @@ def memory_7b(ctx: Context) -> dict:
     r.update(publish_sets_after_two=len(pub._sets), publish_set_gb=set_bytes / 1e9,
              publish_allocated_gb=((torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0) - before) / 1e9)
     full_set = 2 * full.params()
-    world4 = rank_bytes(full, budget, 4)  # the lead's figure: learner/memory_model.py lead_bytes
+    world4 = rank_bytes(full, budget, 4)  # the lead's figure: learner/maths/memory_model.py lead_bytes
     r["projected_lead_peak_gb_28_layers_world4"] = {
         "memory_model_rank": world4 / 1e9,
         "plus_sets_as_measured": (world4 + r["publish_sets_after_two"] * full_set) / 1e9,

@@ -2,7 +2,7 @@
 
 At the shape of Qwen2.5-0.5B (width 896, MLP 4864, 14/2 heads, vocabulary 151,936, tied), built from a
 config with random weights (no hub), `--layers` of its 24 layers (24 does not fit this 24 GB machine on
-the old path at 4096 tokens; the memory model in learner/memory_model.py scales by layers). One row of T
+the old path at 4096 tokens; the memory model in learner/maths/memory_model.py scales by layers). One row of T
 tokens (prompt 64 + completion), fp32, AdamW, on this CPU. Two paths side by side:
 - old: the learner before issue 15: the model's full-vocabulary fp32 logits for the whole micro-batch,
   log-softmax and entropy over them, every layer's activations kept for backward;
@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from learner.memory_model import QWEN25_05B, qwen2_config, step_peak_bytes  # noqa: E402
+from learner.maths.memory_model import QWEN25_05B, qwen2_config, step_peak_bytes  # noqa: E402
 
 
 def _rss(field: str) -> int:
@@ -43,7 +43,7 @@ def child(path: str, tokens: int, layers: int, threads: int) -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from learner.grpo import logp_entropy, token_logprobs
+    from learner.maths.grpo import logp_entropy, token_logprobs
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

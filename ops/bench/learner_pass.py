@@ -3,8 +3,8 @@
 The demo's step is forward plus backward over a step's sequences (docs/benchmarks.md). This isolates
 that pass on one thread, with synthetic sequences shaped like the toy task's (prompts of 9-21 tokens,
 completions of 10-40 tokens or truncated at 64), and compares the layouts the learner can use:
-micro-batches in arrival order or cut shortest first (learner/update.py `cut_micro_batches`), the output head in
-512-position chunks or one chunk (`learner.grpo.logit_chunk`), packed rows (max_tokens_per_micro_batch),
+micro-batches in arrival order or cut shortest first (learner/maths/update.py `cut_micro_batches`), the output head in
+512-position chunks or one chunk (`learner.maths.grpo.logit_chunk`), packed rows (max_tokens_per_micro_batch),
 bf16 autocast, and the micro-batches `learner.overlap_arrival` cuts as groups arrive (arrival order,
 5 forwarded sequences a group). Medians over --reps passes.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from exgrpo_async.toy import build_model
-from learner.grpo import token_logprobs
-from learner.packing import layout, micro_batches
+from learner.maths.grpo import token_logprobs
+from learner.maths.packing import layout, micro_batches
 
 
 def sequences(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:

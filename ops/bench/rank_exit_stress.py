@@ -74,9 +74,9 @@ def rank_main(model: str, plain_exit: bool) -> int:
     import torch
 
     from exgrpo_async.config import RunConfig
+    from learner.maths.update import Seq, StepSettings
     from learner.policy import Policy
     from learner.ranks import Ranks, end_rank_process
-    from learner.update import Seq, StepSettings
 
     cfg = RunConfig()
     cfg.model.path, cfg.model.dtype, cfg.learner.mixed_precision = model, "float32", "none"

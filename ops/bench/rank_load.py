@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from learner.memory_model import QWEN25_05B, qwen2_config  # noqa: E402
 from learner_memory import _rss  # noqa: E402  (a /proc/self/status field, in bytes)
+
+from learner.maths.memory_model import QWEN25_05B, qwen2_config  # noqa: E402
 
 
 def _rank(rank: int, world: int, model: str, port: int, path: str, out: str) -> None:

@@ -225,7 +225,7 @@ def test_exgrpo_run_switches_on_and_replays_experience(exgrpo_run):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trace = [(r["step"], r["pass_at_1"], r["exgrpo_mixed"], r["buffer_trajectories"], r["experience_questions"])
              for r in rows]
-    # the switch (learner/experience.py): mixed from the first step whose batch pass@1 exceeds START, for good;
+    # the switch (learner/maths/experience.py): mixed from the first step whose batch pass@1 exceeds START, for good;
     # the batch of that step was assembled before it, so collection starts with the next one
     assert any(r["pass_at_1"] > START for r in rows), f"no step passed {START}: {trace}"
     fired = next(i for i, r in enumerate(rows) if r["pass_at_1"] > START)

@@ -61,8 +61,8 @@ def same(a, b) -> bool:
 def final_buffer(run_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    from learner.buffer import ExperienceBuffer
     from learner.checkpoint import load_checkpoint
+    from learner.maths.buffer import ExperienceBuffer
 
     ckpt = run_dir / "checkpoints" / f"step-{STEPS:06d}"
     buf = ExperienceBuffer(K=4)

@@ -1,13 +1,13 @@
-"""Attention within each sequence of a packed row (learner/attention.py): every backend gives the log-probs,
+"""Attention within each sequence of a packed row (learner/maths/attention.py): every backend gives the log-probs,
 entropies and gradients of each sequence run alone, and the start-up check catches one that leaks."""
 
 import pytest
 import torch
 
 from exgrpo_async.toy import build_model
-from learner import attention
-from learner.grpo import check_no_cross_attention, rows_logprobs
-from learner.packing import pack_rows, pad_rows
+from learner.maths import attention
+from learner.maths.grpo import check_no_cross_attention, rows_logprobs
+from learner.maths.packing import pack_rows, pad_rows
 from tests.unit.test_update import _seqs
 
 CPU = torch.device("cpu")

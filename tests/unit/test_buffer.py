@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from learner.buffer import ExperienceBuffer, Trajectory, bucket_weights
+from learner.maths.buffer import ExperienceBuffer, Trajectory, bucket_weights
 
 
 def traj(*ids, version=0):
@@ -208,9 +208,9 @@ def test_bad_k_rejected():
 def test_the_documented_example_runs():
     import doctest
 
-    import learner.buffer
+    import learner.maths.buffer
 
-    result = doctest.testmod(learner.buffer)
+    result = doctest.testmod(learner.maths.buffer)
     assert result.attempted >= 5 and result.failed == 0
 
 

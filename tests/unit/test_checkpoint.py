@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from exgrpo_async.data import QuestionSampler
-from learner.buffer import ExperienceBuffer, Trajectory
-from learner.checkpoint import (CheckpointError, latest_valid, load_checkpoint, pack_ragged, save_checkpoint,
-                                unpack_ragged, verify_checkpoint)
+from learner.checkpoint import (
+    CheckpointError,
+    latest_valid,
+    load_checkpoint,
+    pack_ragged,
+    save_checkpoint,
+    unpack_ragged,
+    verify_checkpoint,
+)
 from learner.dispatch import Dispatcher
+from learner.maths.buffer import ExperienceBuffer, Trajectory
 from learner.model import load_policy
 
 

@@ -1,4 +1,4 @@
-"""Compiled regions (learner/compiled.py): a learner with compiled decoder layers and head takes the eager
+"""Compiled regions (learner/maths/compiled.py): a learner with compiled decoder layers and head takes the eager
 learner's steps, and new row widths and segment layouts compile nothing more (the attention kernels are
 outside the graph). On CPU, as a GPU learner runs them ("auto" there)."""
 
@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from exgrpo_async.config import load_config
-from learner import compiled
+from learner.maths import compiled
 
 CPU = torch.device("cpu")
 
@@ -41,10 +41,10 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
     each layer's graph): the same weights and scores as eager, and the second update compiles nothing;
     the checkpointed layers keep far less for the backward; a call that would need a graph past the
     recompile limit raises."""
-    from tests.integration.test_learner_ranks import _cfg, _seqs
+    from learner.maths.update import StepSettings
     from learner.policy import Policy
     from learner.ranks import Ranks
-    from learner.update import StepSettings
+    from tests.integration.test_learner_ranks import _cfg, _seqs
 
     torch._dynamo.reset()
     policies, kept = {}, {}
@@ -91,8 +91,8 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
 
 def _bytes_kept_for_backward(policy, seqs) -> int:
     """Bytes of the tensors one micro-batch's forward keeps for its backward, parameters aside."""
-    from learner.grpo import rows_logprobs
-    from learner.update import _rows
+    from learner.maths.grpo import rows_logprobs
+    from learner.maths.update import _rows
 
     params = {p.data_ptr() for p in policy.model.parameters()}
     total = 0

@@ -41,7 +41,7 @@ def test_8gpu_configs_are_the_paper_recipe_and_fit_8x80gb(name, shape):
     placement on 8 GPUs and the memory model puts each learner rank, the lead with its publish buffers, under 90% of an 80 GB H100."""
     from exgrpo_async.data import load_pool
     from exgrpo_async.placement import plan
-    from learner import memory_model
+    from learner.maths import memory_model
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
     assert cfg.exgrpo.enabled and cfg.exgrpo.rho == 0.5 and cfg.exgrpo.selection == "lowest_entropy"

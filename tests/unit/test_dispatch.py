@@ -4,8 +4,8 @@ import itertools
 
 import numpy as np
 
-from learner.buffer import Trajectory
 from learner.dispatch import Dispatcher
+from learner.maths.buffer import Trajectory
 
 
 def make(B=4, eta=1):

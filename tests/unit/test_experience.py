@@ -8,10 +8,10 @@ import numpy as np
 from exgrpo_async.config import load_config
 from exgrpo_async.data import QuestionSampler
 from exgrpo_async.rollout import Completion, RolloutGroup
-from learner.buffer import Trajectory
 from learner.dispatch import Dispatcher, WorkItem
-from learner.experience import Experience
-from learner.update import assemble
+from learner.maths.buffer import Trajectory
+from learner.maths.experience import Experience
+from learner.maths.update import assemble
 
 K, B = 4, 8
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpu_check_runs_every_section_on_cpu(tmp_path):
-    # with the Inductor mode vLLM's CPU platform puts in a process's environment (learner/compiled.py
+    # with the Inductor mode vLLM's CPU platform puts in a process's environment (learner/maths/compiled.py
     # `fixed_cpu_threads`): without that guard the compiled step corrupted the heap, 4 runs in 4
     env = {**os.environ, "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "ops" / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny",
@@ -39,7 +39,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     assert len(steps) == 7 and all(v["tokens_per_s"] > 0 for v in steps.values())  # FSDP2 compiled without
     # checkpointing and sdpa only on request; no "_ww" variant on CPU (fp32 compute), nor FSDP2
     # compiled under checkpointing (ops/bench/gpu_check_sections.py: an Inductor assertion on CPU)
-    compiled = [k for k in steps if "_compiled_" in k]  # learner/compiled.py
+    compiled = [k for k in steps if "_compiled_" in k]  # learner/maths/compiled.py
     assert len(compiled) == 4 and all(steps[k]["compiled_graphs"] > 0 for k in compiled)
     assert all(steps[k]["graphs_compiled_while_timed"] == 0 for k in compiled)  # warmed up until nothing new compiles
     # fp32 on CPU, the same batch and weights: the compiled steps (the one checkpointed inside its layers'

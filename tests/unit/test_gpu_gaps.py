@@ -13,8 +13,8 @@ import gpu_gaps  # noqa: E402
 
 from exgrpo_async.config import RunConfig  # noqa: E402
 from exgrpo_async.toy import build_model  # noqa: E402
-from learner import attention  # noqa: E402
-from learner.update import Seq, StepSettings, update_policy  # noqa: E402
+from learner.maths import attention  # noqa: E402
+from learner.maths.update import Seq, StepSettings, update_policy  # noqa: E402
 
 
 def _x(cat, name, ts, dur, tid=1, corr=None):

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from learner.grpo import group_advantages, policy_loss, token_logprobs
+from learner.maths.grpo import group_advantages, policy_loss, token_logprobs
 
 
 def test_advantages_are_reward_minus_group_mean_without_std():
@@ -114,7 +114,7 @@ def _rows(*vals):
 
 
 def test_behaviour_weights_truncate_and_mask_per_token():
-    from learner.grpo import behaviour_weights
+    from learner.maths.grpo import behaviour_weights
 
     prox = _rows([0.0, 0.0, 0.0])
     behav = torch.log(_rows([1.0, 0.25, 0.8]))  # raw w = pi_prox/pi_behav = 1, 4, 1.25
@@ -128,7 +128,7 @@ def test_behaviour_weights_truncate_and_mask_per_token():
 
 
 def test_behaviour_weights_per_sequence_use_the_product_of_token_ratios():
-    from learner.grpo import behaviour_weights
+    from learner.maths.grpo import behaviour_weights
 
     prox = torch.zeros(2, 3)
     behav = torch.log(_rows([0.5, 0.5, 1.0], [1.0, 0.9, 1.0]))  # row products 4 and 1/0.9
@@ -142,7 +142,7 @@ def test_behaviour_weights_per_sequence_use_the_product_of_token_ratios():
 
 
 def test_decoupled_loss_gradient_is_truncated_weight_times_reinforce():
-    from learner.grpo import policy_loss
+    from learner.maths.grpo import policy_loss
 
     logp = torch.log(torch.tensor([[0.5, 0.4]])).requires_grad_(True)
     behav = torch.log(torch.tensor([[0.1, 0.4]]))  # token 0 sampled by a policy 5x less likely
@@ -162,7 +162,7 @@ def test_decoupled_loss_gradient_is_truncated_weight_times_reinforce():
 
 
 def test_mismatch_kl_is_zero_on_equal_policies_and_positive_otherwise():
-    from learner.grpo import mismatch_kl
+    from learner.maths.grpo import mismatch_kl
 
     a = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     mask = torch.tensor([[True, True, False]])

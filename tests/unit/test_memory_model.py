@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.memory_model import LLAMA31_8B, QWEN25_05B, QWEN25_7B, gpus_needed, rank_bytes, step_peak_bytes
+from learner.maths.memory_model import LLAMA31_8B, QWEN25_05B, QWEN25_7B, gpus_needed, rank_bytes, step_peak_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,11 +12,11 @@ import torch
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.toy import build_model
-from learner.buffer import Trajectory
 from learner.dispatch import WorkItem
+from learner.maths.buffer import Trajectory
+from learner.maths.update import StepSettings, assemble, update_policy
 from learner.overlap import Accumulator
 from learner.ranks import Ranks
-from learner.update import StepSettings, assemble, update_policy
 
 K, B, L_MAX, VERSION = 4, 6, 20, 5
 

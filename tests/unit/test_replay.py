@@ -5,8 +5,8 @@ import random
 import numpy as np
 import torch
 
-from learner.buffer import Trajectory
-from learner.replay import score_trajectories, select_replays
+from learner.maths.buffer import Trajectory
+from learner.maths.replay import score_trajectories, select_replays
 
 
 class Bigram(torch.nn.Module):

@@ -10,12 +10,12 @@ import torch
 from exgrpo_async.config import RunConfig, load_config
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.toy import build_model
-from learner.buffer import Trajectory
 from learner.dispatch import WorkItem
-from learner.grpo import token_logprobs
-from learner.packing import pad_rows
+from learner.maths.buffer import Trajectory
+from learner.maths.grpo import token_logprobs
+from learner.maths.packing import pad_rows
+from learner.maths.update import Seq, StepSettings, assemble, minibatch_order, update_policy
 from learner.train import _clip
-from learner.update import Seq, StepSettings, assemble, minibatch_order, update_policy
 
 L_MAX = 24
 

@@ -1,4 +1,4 @@
-"""bf16 working weights (learner/working_weights.py): the same step as autocast's casts, bit for bit, with
+"""bf16 working weights (learner/maths/working_weights.py): the same step as autocast's casts, bit for bit, with
 each weight cast once per optimizer update; fp32 masters that still move at lr 1e-6."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.grpo import LogProbs, token_logprobs
+from learner.maths.grpo import LogProbs, token_logprobs
+from learner.maths.update import StepSettings, update_policy
+from learner.maths.working_weights import WorkingWeights
 from learner.model import load_policy
-from learner.update import StepSettings, update_policy
-from learner.working_weights import WorkingWeights
 from tests.integration.test_learner_ranks import _cfg, _seqs
 
 CPU = torch.device("cpu")

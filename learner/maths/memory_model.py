@@ -97,7 +97,7 @@ def rank_bytes(s: Shape, tokens: int, world: int, compute_bytes: int = 2, chunk:
     state = 16 * p / world
     # the root (embeddings, head) gathered in fp32 (learner/policy.py `shard`), two layers in compute dtype,
     # and their fp32 gradients unsharded; one unsharded rank gathers nothing, but keeps a working copy of
-    # its layers' and head's weights in a 16-bit compute dtype (learner/working_weights.py)
+    # its layers' and head's weights in a 16-bit compute dtype (learner/maths/working_weights.py)
     gathered = 4 * root + 2 * layer * compute_bytes + 4 * root + 4 * 2 * layer
     if not (world > 1 if sharded is None else sharded) and compute_bytes == 2:
         gathered = compute_bytes * (layer * s.layers + s.vocab * s.hidden)

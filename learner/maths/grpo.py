@@ -24,10 +24,10 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from learner import compiled
-from learner.attention import Segments, segments_from_positions, wants_segments
-from learner.packing import to_device
-from learner.working_weights import WorkingWeights, working
+from learner.maths import compiled
+from learner.maths.attention import Segments, segments_from_positions, wants_segments
+from learner.maths.packing import to_device
+from learner.maths.working_weights import WorkingWeights, working
 
 
 def group_advantages(rewards: list[float]) -> list[float]:
@@ -48,12 +48,12 @@ class LogProbs(torch.nn.Module):
     def __init__(self, policy: torch.nn.Module, compiled_head: bool = False, working: WorkingWeights | None = None):
         super().__init__()
         self.policy = policy
-        self.working = working  # bf16 working weights (learner/working_weights.py), cast once per update
+        self.working = working  # bf16 working weights (learner/maths/working_weights.py), cast once per update
         self.compile_head(compiled_head)
 
     def compile_head(self, on: bool) -> None:
         """The head over one chunk of positions: with autograd checkpointed (its fp32 logits recomputed in
-        the backward), without autograd plain; `on`: both compiled (learner/compiled.py), the checkpoint
+        the backward), without autograd plain; `on`: both compiled (learner/maths/compiled.py), the checkpoint
         inside the graph, so its recompute is that graph's."""
         fns = (_checkpointed_logp_entropy, logp_entropy)
         self.head_grad, self.head_nograd = tuple(compiled.compiled_head(f) for f in fns) if on else fns
@@ -68,7 +68,7 @@ class LogProbs(torch.nn.Module):
             self.working.refresh()  # recasts only what an optimizer update (or a load) changed
         decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
         kw = {"position_ids": position_ids} if position_ids is not None else {}
-        if segments is not None:  # learner/attention.py's kernels read them
+        if segments is not None:  # learner/maths/attention.py's kernels read them
             kw["packed_segments"] = segments
         if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits[:, :-1]
@@ -132,8 +132,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     backward pass instead of kept). A model without the decoder/head split (`.model` and a linear
     `.lm_head`, as Hugging Face causal LMs have) gets the plain full-logits path. With `bf16` the
     forward runs under bf16 autocast (mixed precision; the reductions stay fp32). Packed rows
-    (learner/packing.py) pass `position_ids` restarting per sequence and no attention mask, and, for the
-    kernels of learner/attention.py, their `segments`."""
+    (learner/maths/packing.py) pass `position_ids` restarting per sequence and no attention mask, and, for the
+    kernels of learner/maths/attention.py, their `segments`."""
     lp = model if isinstance(model, LogProbs) else LogProbs(model)
     args = (input_ids, attention_mask, temperature, with_entropy, chunk_tokens, position_ids, segments)
     if bf16:
@@ -270,7 +270,7 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
 
 def rows_logprobs(model: torch.nn.Module, rows, device: torch.device, temperature: float, with_entropy: bool = False,
                   bf16: bool = False):
-    """`token_logprobs` over a `learner.packing.Rows` layout."""
+    """`token_logprobs` over a `learner.maths.packing.Rows` layout."""
     am = to_device(rows.attention_mask, device) if rows.attention_mask is not None else None
     pos = to_device(rows.position_ids, device) if rows.position_ids is not None else None
     seg = (segments_from_positions(rows.position_ids, device)

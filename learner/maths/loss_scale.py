@@ -7,7 +7,7 @@ answer weighs by its token count and the scale never depends on the batch's leng
 micro-batch adds its own token sum over the same D, the loss and its gradient are the same however
 the mini-batch is cut into micro-batches (or, later, ranks): sum_m (S_m / D) = (sum_m S_m) / D.
 
-Terms on this scale (learner/update.py):
+Terms on this scale (learner/maths/update.py):
 - policy gradient: sum_t l_t / D, with l_t the per-token surrogate (grpo.policy_loss);
 - entropy bonus: - entropy_coef * sum_t H_t / D, so `entropy_coef` is the weight of one token's entropy
   relative to one token's policy gradient per unit advantage. The authors add 0.001 x the token mean of

@@ -15,9 +15,9 @@ from typing import Callable, Literal
 
 import torch
 
-from learner.buffer import Trajectory
-from learner.grpo import rows_logprobs
-from learner.packing import layout, micro_batches
+from learner.maths.buffer import Trajectory
+from learner.maths.grpo import rows_logprobs
+from learner.maths.packing import layout, micro_batches
 
 Selection = Literal["lowest_entropy", "highest_entropy", "random"]
 

@@ -27,13 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import RolloutGroup
-from learner.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
-from learner.loss_scale import LossScale
-from learner.packing import Rows, layout, micro_batches, to_device
-from learner.ranks import Ranks, split_by_tokens
+from learner.maths.collectives import SOLO, Collectives, split_by_tokens
+from learner.maths.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
+from learner.maths.loss_scale import LossScale
+from learner.maths.packing import Rows, layout, micro_batches, to_device
 
 log = logging.getLogger("exgrpo_async.learner")
-SOLO = Ranks()  # one rank: no process group
 
 
 class WorkItem(Protocol):
@@ -237,7 +236,7 @@ class StepSettings:
 
 def update_policy(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list[Seq], n_groups: int,
                   cfg: RunConfig, settings: StepSettings, device: torch.device, pad_id: int,
-                  updates_before: int, ranks: Ranks = SOLO) -> UpdateResult:
+                  updates_before: int, ranks: Collectives = SOLO) -> UpdateResult:
     """Train on one step's sequences: `minibatches_per_step` optimizer updates over groups in order.
 
     On several ranks every rank gets all of `seqs` and forwards its share of each mini-batch (split by
@@ -298,7 +297,7 @@ class OptimizerUpdate:
         with Phase(self.res, "forward", self.device):
             _filler_step(self.model, s, self.cfg, self.device, self.pad_id)
 
-    def step(self, updates_before: int, ranks: Ranks = SOLO) -> None:
+    def step(self, updates_before: int, ranks: Collectives = SOLO) -> None:
         """The mini-batch's loss recorded; the gradient summed where ranks replicate, clipped and applied."""
         self.res.losses.append(self.loss)
         with Phase(self.res, "optimizer", self.device):
@@ -331,7 +330,7 @@ def _filler_step(model, s: Seq, cfg: RunConfig, device, pad_id: int) -> None:
     (logp.sum() * 0.0).backward()
 
 
-def _reduce_result(res: UpdateResult, ranks: Ranks) -> None:
+def _reduce_result(res: UpdateResult, ranks: Collectives) -> None:
     """Make the lead's result the whole step's: loss sums, KL sums, max diff, micro-batch stats, pi_past."""
     res.losses = ranks.sum(res.losses)
     kl = ranks.sum([res.kl["mismatch"][0], res.kl["mismatch"][1], res.kl["behaviour"][0], res.kl["behaviour"][1]])

@@ -1,6 +1,6 @@
 """Attention within each sequence of a packed row: the kernels the learner's decoder runs on packed micro-batches.
 
-Packed rows (learner/packing.py) hold sequences back to back, position ids restarting at 0 for each. Three
+Packed rows (learner/maths/packing.py) hold sequences back to back, position ids restarting at 0 for each. Three
 ways to keep every sequence to itself (`learner.attention`):
 - "sdpa": transformers' own path. It finds the sequences from the position ids and builds a block-diagonal
   (R, 1, W, W) mask, so SDPA computes all W^2 pairs of a W-wide row, non-causal, with no flash kernel:
@@ -17,7 +17,7 @@ The two kernels of ours reach transformers as registered attention functions (`A
 so the model runs its own layers; the segments travel as the `packed_segments` keyword, which the model
 forwards to every attention call (and gradient checkpointing replays). A right-padded row (no
 segments) is one causal sequence: its padding comes after every real token, so no real token sees it.
-learner/grpo.py `check_no_cross_attention` proves at start-up that a packed row's sequences do not see each other.
+learner/maths/grpo.py `check_no_cross_attention` proves at start-up that a packed row's sequences do not see each other.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Segments(NamedTuple):
     """The sequences of a (R, W) packed layout, flattened to R x W tokens: cumulative boundaries on the
     compute device (int32, for the kernel) and on the host (for loops), and the longest segment (host).
 
-    Tensors only: a compiled decoder layer (learner/compiled.py) passes this through to the kernels here,
+    Tensors only: a compiled decoder layer (learner/maths/compiled.py) passes this through to the kernels here,
     and the compiler guards on what it holds; a Python tuple or int would be guarded by value (torch 2.11
     recompiled on every new number of sequences, measured on an H200), a tensor only by its dtype and
     (dynamic) shape. Read `bounds` and `max_len` inside the kernels, never in compiled code."""
@@ -179,7 +179,7 @@ def _whole_rows(query: torch.Tensor) -> Segments:
     return _segments(list(range(0, b * n + 1, n)), query.device)
 
 
-@torch.compiler.disable  # learner/compiled.py: the segments must not become guards of a compiled layer
+@torch.compiler.disable  # learner/maths/compiled.py: the segments must not become guards of a compiled layer
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                      packed_segments: Segments | None = None, **_):
     """transformers attention function: causal flash attention within each segment (see the module doc)."""
@@ -209,7 +209,7 @@ def per_sequence_attention(module, query, key, value, attention_mask, scaling=No
 
 
 # ------------------------------------------------------------------------ the traceable variants
-# A layer compiled with its activation checkpoint inside its graph (learner/compiled.py, "under
+# A layer compiled with its activation checkpoint inside its graph (learner/maths/compiled.py, "under
 # checkpointing") cannot break its graph at the attention kernel, as the functions above do (they read
 # the segments' boundaries on the host). Their traceable variants read nothing on the host:
 # - varlen: the same kernel (torch's `varlen_attn` is a custom operator the compiler keeps whole), with the

@@ -63,7 +63,7 @@ class WorkingWeights:
         self._seen: list[tuple[int, int]] = [(-1, -1)] * len(self.modules)
         for m in self.modules:
             m.register_buffer("working_weight", torch.empty_like(m.weight, dtype=dtype), persistent=False)
-            if m is not head:  # the head's chunks take theirs from `head_weight` (learner/grpo.py)
+            if m is not head:  # the head's chunks take theirs from `head_weight` (learner/maths/grpo.py)
                 m.forward = types.MethodType(_linear_forward, m)
         self.refresh()
 

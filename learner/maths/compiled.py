@@ -6,10 +6,10 @@ their softmax for log-probs and entropy). `torch.compile` fuses those into few k
 - each decoder layer's `forward` is compiled in place (parameter names and FSDP2's hooks stay as they
   are and run eagerly around it; all layers share the graphs, compiled with dynamic shapes, so new row
   widths and sequence counts reuse them, a few shape ranges aside);
-- without checkpointing the attention kernels of learner/attention.py are excluded from the graph
+- without checkpointing the attention kernels of learner/maths/attention.py are excluded from the graph
   (`torch.compiler.disable`): the packed segments reach them unseen by the compiler, so new segment
   boundaries do not recompile (under checkpointing, their traceable variants: below);
-- the head's per-chunk log-prob and entropy (learner/grpo.py) is compiled with its activation checkpoint
+- the head's per-chunk log-prob and entropy (learner/maths/grpo.py) is compiled with its activation checkpoint
   inside the graph, so the recompute in its backward is part of the same compiled graph.
 "auto" on a CUDA learner compiles the head and the layers (checkpointed ones as below, given a traceable
 attention backend); on CPU it compiles nothing (minutes of compiling for the toy's seconds of work). "head":
@@ -19,7 +19,7 @@ The layers under gradient checkpointing: the checkpoint goes inside each layer's
 activation checkpointing: the backward graph recomputes the layer, so the recompute is the forward's own
 graph). HF's wrapper, which would checkpoint around the compiled call, is turned off for those layers.
 That needs a layer graph without a break, so the attention runs the kernels' traceable variants
-(learner/attention.py `use(..., traceable=True)`), and the checkpoint is selective: the attention's
+(learner/maths/attention.py `use(..., traceable=True)`), and the checkpoint is selective: the attention's
 output is saved, everything else recomputed (ops/bench/gpu_check.py measures the step).
 Before (the checkpoint around a compiled layer whose graph broke at the attention kernel), a recompute
 picked its graph from the compiler's cache and, on an H200 with torch 2.11, ran another graph than its
@@ -64,7 +64,7 @@ CHECKPOINTED_AUTO = True  # "auto" compiles checkpointed layers on a GPU: they m
 
 def resolve(setting: str, device: torch.device, checkpointing: bool, attention: str = "per_sequence") -> Regions:
     """What `learner.compile` compiles on this device, with or without gradient checkpointing, for the
-    resolved `learner.attention` (checkpointed layers need one of learner/attention.py's kernels)."""
+    resolved `learner.attention` (checkpointed layers need one of learner/maths/attention.py's kernels)."""
     if setting not in SETTINGS:
         raise ValueError(f"learner.compile={setting!r}: expected one of {SETTINGS}")
     traceable = attention != "sdpa"
@@ -82,7 +82,7 @@ def compile_layers(model: torch.nn.Module, checkpointed: bool = False) -> int:
     """Compile the `forward` of each decoder layer of `model` (a transformers causal LM) in place; returns
     how many. `checkpointed`: with the layer's activation checkpoint inside its graph (selective: the
     attention's output saved), HF's checkpointing of the layer turned off; the model must run one of
-    learner/attention.py's traceable kernels (`attention.use(..., traceable=True)`). Call before the
+    learner/maths/attention.py's traceable kernels (`attention.use(..., traceable=True)`). Call before the
     first forward; idempotent."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
@@ -150,5 +150,5 @@ def fixed_cpu_threads() -> None:
 
     if inductor.cpp.dynamic_threads:
         log.warning("TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 ignored: the learner's compiled regions use a fixed "
-                    "thread count (learner/compiled.py)")
+                    "thread count (learner/maths/compiled.py)")
         inductor.cpp.dynamic_threads = False
