@@ -22,9 +22,22 @@ import logging
 import time
 
 from actors.metrics import ActorMetrics, start_actor_metrics
-from actors.session import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, ProtocolError, engine_seed, join, load_options,
-                            make_verifier, request, score_groups, weight_group, work_request)
-from exgrpo_async.config import RunConfig, config_from_json
+from actors.session import (
+    HELLO_ATTEMPT_S,
+    Heartbeat,
+    LearnerLost,
+    ProtocolError,
+    engine_seed,
+    join,
+    load_options,
+    make_verifier,
+    request,
+    score_groups,
+    weight_group,
+    work_request,
+)
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import config_from_json
 from exgrpo_async.logs import setup_logging
 from exgrpo_async.seams import ActorTransport, BatchEngine, Verifier
 from exgrpo_async.wire import encode_control, encode_rollouts

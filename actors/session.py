@@ -23,7 +23,8 @@ import zmq
 
 from actors.metrics import ActorMetrics, warn_verifier_timeouts
 from actors.verifier import MathVerifier
-from exgrpo_async.config import RunConfig, config_from_json
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import config_from_json
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.seams import ActorTransport, Engine, Verifier
 from exgrpo_async.transport import ActorSocket

@@ -24,9 +24,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine import AsyncVLLMEngine
 from actors.metrics import ActorMetrics
-from actors.session import (HELLO_ATTEMPT_S, Heartbeat, LearnerLost, engine_seed, join, load_options, make_verifier, request,
-                            score_groups, weight_group, work_request)
-from exgrpo_async.config import RunConfig, config_from_json
+from actors.session import (
+    HELLO_ATTEMPT_S,
+    Heartbeat,
+    LearnerLost,
+    engine_seed,
+    join,
+    load_options,
+    make_verifier,
+    request,
+    score_groups,
+    weight_group,
+    work_request,
+)
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import config_from_json
 from exgrpo_async.logs import setup_logging
 from exgrpo_async.seams import ActorTransport, StreamEngine, Verifier
 from exgrpo_async.wire import encode_control, encode_rollouts

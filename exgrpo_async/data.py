@@ -8,7 +8,7 @@ joined with ", "; an `answer` list or stringified list of strings (rllm Minerva)
 first kept and the rest in meta["alt_answers"]; GSM8K "CoT #### N" keeps N (digit-group commas dropped);
 numbers become strings, integral floats without ".0" (27.0 -> "27"). A bad row raises DataError naming
 file and 1-based row (and line, for JSONL); with skip_bad_rows=True it is logged and listed instead.
-`check_file` reads only a file's first rows the same way (exgrpo_async/preflight.py, before a run starts).
+`check_file` reads only a file's first rows the same way (exgrpo_async/launcher/preflight.py, before a run starts).
 """
 
 from __future__ import annotations

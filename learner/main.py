@@ -2,7 +2,7 @@
 
 Rank 0 (the only rank at `learner.world_size=1`) makes the run folder and runs the loop (train.py);
 the other ranks load the same policy and follow rank 0's operations (learner/policy.py). Started by
-`exgrpo-async train`, or by `torchrun --nproc-per-node N -m exgrpo_async.cli learner ...` (any nodes).
+`exgrpo-async train`, or by `torchrun --nproc-per-node N -m exgrpo_async.launcher.cli learner ...` (any nodes).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from exgrpo_async import precision
 from exgrpo_async.config import RunConfig
-from exgrpo_async.launch import new_run_dir, resolve_toy
 from exgrpo_async.layout import standalone_threads
+from exgrpo_async.runs import new_run_dir, resolve_toy
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -51,7 +51,7 @@ def _run_guarded(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> in
     SIGTERM, 1 an exception, logged with its traceback)."""
     try:
         return _run_rank(_resolve_precision(cfg, ranks), run_dir, resume, ranks)
-    except SystemExit as e:  # the SIGTERM handler (exgrpo_async/cli.py) or an explicit exit
+    except SystemExit as e:  # the SIGTERM handler (exgrpo_async/launcher/cli.py) or an explicit exit
         code = e.code if isinstance(e.code, int) else 1
         log.warning("learner rank %d stopped (exit %d)", ranks.rank, code)
         return code

@@ -419,7 +419,7 @@ class Shell:
 
 def held_out_curve(metrics: Path, summary: dict, last_step: int) -> list[dict]:
     """summary.json's held_out_curve, from metrics.jsonl's eval rows and the evaluations before and after."""
-    from exgrpo_async.report import held_out_curve as curve  # matplotlib's import, at the end only
-    from exgrpo_async.report import read_metrics
+    from exgrpo_async.report.write import held_out_curve as curve  # matplotlib's import, at the end only
+    from exgrpo_async.report.write import read_metrics
 
     return curve(read_metrics(metrics)[1], summary, last_step)

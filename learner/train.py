@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.report import write_report
+from exgrpo_async.report.write import write_report
 from learner.maths.update import StepSettings
 from learner.ranks import Ranks
 from learner.shell import Shell

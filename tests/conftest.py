@@ -38,7 +38,7 @@ RUN_ORDER = [f"tests/{name}.py" for name in (
 
 
 def build_tiny_policy(out: Path, tied: bool, seed: int = 0) -> Path:
-    from exgrpo_async.toy import build_model, build_tokenizer
+    from exgrpo_async.toy.task import build_model, build_tokenizer
 
     build_tokenizer(out)
     model = build_model(seed)

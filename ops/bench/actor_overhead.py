@@ -1,6 +1,6 @@
 """Actor-loop overhead: rollouts/s of the real actor loop against bare vLLM generate on the same prompts.
 
-Workload: the cached toy policy (exgrpo_async.toy.ensure_toy_assets), the first (1 + 16) * 8 training
+Workload: the cached toy policy (exgrpo_async.toy.task.ensure_toy_assets), the first (1 + 16) * 8 training
 questions in order, batches of 8 questions, K=8 samples each, T=1, max_tokens 64. The first batch is a
 warm-up in both runs; the 16 batches after it are timed (1024 rollouts). Both runs happen in a spawned
 process pinned to the same core with 1 torch thread, as `exgrpo-async train` runs an actor (the
@@ -165,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "bench_out" / "actor_overhead.json"))
     args = ap.parse_args()
-    from exgrpo_async.toy import PROMPT_TEMPLATE, ensure_toy_assets
+    from exgrpo_async.toy.task import PROMPT_TEMPLATE, ensure_toy_assets
 
     paths = ensure_toy_assets(Path("/tmp/toycache"), seed=0, sft_steps=600)
     rows = [json.loads(line) for line in paths["train"].read_text().splitlines()[:N_QUESTIONS]]

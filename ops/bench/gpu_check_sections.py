@@ -162,7 +162,7 @@ def env(ctx: Context) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- 2. imports
-IMPORTS = ["exgrpo_async.config", "exgrpo_async.placement", "exgrpo_async.layout", "exgrpo_async.weight_sync",
+IMPORTS = ["exgrpo_async.config", "exgrpo_async.launcher.placement", "exgrpo_async.layout", "exgrpo_async.weight_sync",
            "exgrpo_async.fingerprint", "learner.maths.attention", "learner.policy", "learner.maths.update",
            "learner.maths.memory_model", "learner.shell", "learner.main"]
 
@@ -351,7 +351,7 @@ def head(ctx: Context) -> dict:
 
 # ---------------------------------------------------------------------------------------- 7. step_1.5b
 def _step_cfg(path: str, budget: int, max_new: int):
-    from exgrpo_async.config import load_config
+    from exgrpo_async.config_io import load_config
 
     cfg = load_config(REPO / "configs" / path, ["learner.world_size=1", "learner.mixed_precision=bf16"])
     cfg.learner.max_tokens_per_micro_batch = budget
@@ -772,7 +772,7 @@ def load(ctx: Context) -> dict:
     ctx.dist()
     r: dict = {"shape": f"{full.name}, 2 layers", "params": s.params()}
     with tempfile.TemporaryDirectory() as tmp:
-        from exgrpo_async.toy import build_tokenizer
+        from exgrpo_async.toy.task import build_tokenizer
 
         _model(s, 2, torch.device("cpu")).save_pretrained(tmp)
         build_tokenizer(Path(tmp))

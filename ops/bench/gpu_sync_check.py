@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 
 def planner_results(gpus: int) -> dict[str, str]:
     """Each shipped config planned on this machine's GPUs and on 8: the plan's table, or the refusal."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import check_devices
-    from exgrpo_async.placement import PlacementError, plan
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.launcher.placement import PlacementError, plan
+    from exgrpo_async.launcher.train import check_devices
 
     out = {}
     for path in sorted((REPO / "configs").glob("*.toml")):

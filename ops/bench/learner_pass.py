@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from exgrpo_async.toy import build_model
+from exgrpo_async.toy.task import build_model
 from learner.maths.grpo import token_logprobs
 from learner.maths.packing import layout, micro_batches
 

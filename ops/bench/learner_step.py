@@ -31,7 +31,7 @@ ARMS = {"grpo": [], "exgrpo": ["exgrpo.enabled=true"]}
 
 
 def run_arm(name: str, steps: int, extra: list[str], out_dir: Path) -> tuple[list[dict], float]:
-    args = [sys.executable, "-m", "exgrpo_async.cli", "train", f"learner.max_steps={steps}", "data.eval_file=none",
+    args = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", f"learner.max_steps={steps}", "data.eval_file=none",
             "metrics.port=none", f"output_dir={out_dir / name}", *ARMS[name], *extra]
     t0 = time.time()
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)

@@ -49,7 +49,7 @@ from matplotlib.ticker import FuncFormatter
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from exgrpo_async import plots  # noqa: E402
+from exgrpo_async.report import plots  # noqa: E402
 
 # every arm shares the loss terms and schedule of the demo; only what the arm names differs
 ARMS: dict[str, list[str]] = {
@@ -109,8 +109,8 @@ HELDOUT_SEED = 35
 def regime_pool(tokens: int, out: Path, extra: list[str]) -> Path:
     """The regime scenario's training pool: the first tokens / (2 x 286) questions of the toy pool
     (random kinds; disjoint from the held-out set as the whole pool is), as JSONL in `out`."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
 
     n = round(tokens / (REGIME_EPOCHS * REGIME_TOKENS_PER_QUESTION))
     (full,) = resolve_toy(load_config(None, extra)).data.train_files
@@ -126,7 +126,7 @@ def draw_heldout(per_kind: int, exclude: set[str]) -> list[dict]:
     """`per_kind` distinct toy questions of each test kind, none in `exclude`, drawn from HELDOUT_SEED
     (the same draw every time). Raises if a kind has too few left: mul21 has 720 questions in all, and
     the default pool covers nearly all of them, a regime pool about a third."""
-    from exgrpo_async.toy import TEST_KINDS, make_question
+    from exgrpo_async.toy.task import TEST_KINDS, make_question
 
     rng, rows, seen = random.Random(HELDOUT_SEED), [], set(exclude)
     for kind in TEST_KINDS:
@@ -149,8 +149,8 @@ def heldout_file(per_kind: int, extra: list[str], out: Path) -> Path:
     """The held-out set of `draw_heldout`, apart from the training pool the runs use (`extra`'s
     data.train_files, or the toy pool) and the toy test set, as JSONL in `out`: one set for every arm
     and seed."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
 
     cfg = resolve_toy(load_config(None, extra))
     exclude = {json.loads(x)["problem"] for f in [*cfg.data.train_files, cfg.data.eval_file]
@@ -163,7 +163,7 @@ def heldout_file(per_kind: int, extra: list[str], out: Path) -> Path:
 
 def run_arm(arm: str, seed: int, scenario: str, tokens: int, every: int, extra: list[str], out: Path) -> dict:
     run_root = out / f"{scenario}-{arm}-s{seed}"
-    args = [sys.executable, "-m", "exgrpo_async.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
+    args = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", *SCENARIOS[scenario], *ARMS[arm],
             f"learner.seed={seed}", f"data.shuffle_seed={seed}", "rollout.seeded=true",
             "rollout.eval_samples=8",  # avg@8, as every figure of this bench was measured (the demo's default is 2)
             f"learner.max_generated_tokens={tokens}",
@@ -315,7 +315,7 @@ def table(res: dict) -> str:
 
 def plot(res: dict, path: Path, title: str) -> None:
     """Held-out accuracy (sampled, greedy) against generated tokens: per arm the mean over seeds as a line
-    and min..max as a band (exgrpo_async/plots.py, as the run report)."""
+    and min..max as a band (exgrpo_async/report/plots.py, as the run report)."""
     fig, axes = plots.figure(ncols=2, size=(11.0, 4.0))
     for ax, col in zip(axes, ("sampled", "greedy")):
         plots.draw_bands(ax, res["grid"], {f"{arm} (n={len(a['curves'][col])})": a["curves"][col]

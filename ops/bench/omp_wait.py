@@ -32,7 +32,7 @@ while True:
         a = torch.tanh(a @ a)
     time.sleep(0.002)
 """
-BUILD = ("import sys; from exgrpo_async.config import load_config; from exgrpo_async.launch import resolve_toy; "
+BUILD = ("import sys; from exgrpo_async.config_io import load_config; from exgrpo_async.runs import resolve_toy; "
          "resolve_toy(load_config(None, sys.argv[1:]))")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from exgrpo_async import toy  # noqa: E402
+from exgrpo_async.toy import task as toy  # noqa: E402
 
 
 def carry_level(kind: str, problem: str) -> int:

@@ -57,7 +57,7 @@ def sh(args: list, log: Path) -> float:
 
 def freeze(src_cache: Path, out: Path) -> Path:
     """Copy the demo's warm start into OUT/toycache, and name it as the harness looks it up too."""
-    from exgrpo_async.toy import recipe_key
+    from exgrpo_async.toy.task import recipe_key
 
     key = f"toy-{recipe_key(0, 600)}"
     cache = out / "toycache"
@@ -80,7 +80,7 @@ def ours(a, cache: Path, seed: int, extra: list[str], name: str = "ours") -> lis
     """Accuracy of each checkpoint of one seed's run against its training seconds."""
     out = Path(a.out) / f"{name}-s{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    sh([sys.executable, "-m", "exgrpo_async.cli", "train", f"toy.cache_dir={cache}", f"output_dir={out}",
+    sh([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", f"toy.cache_dir={cache}", f"output_dir={out}",
         f"learner.max_steps={a.steps}", f"learner.seed={seed}", f"learner.checkpoint_every={a.every}",
         f"learner.keep_checkpoints={a.steps // a.every + 1}", "metrics.port=none", *extra], Path(a.out) / f"{name}-s{seed}.log")
     (run,) = out.glob("run-*")

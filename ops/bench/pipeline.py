@@ -78,7 +78,7 @@ ROUNDING = 1e-9  # a run whose actors never idled sits at exactly 100%: float ro
 
 
 def run_once(eta: int, steps: int, engine: str, actors: int, extra: list[str], out_dir: Path) -> list[dict]:
-    args = [sys.executable, "-m", "exgrpo_async.cli", "train", f"learner.max_staleness={eta}",
+    args = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", f"learner.max_staleness={eta}",
             f"learner.max_steps={steps}", f"actor.engine.kind={engine}", f"actor.num_actors={actors}",
             "data.eval_file=none", f"output_dir={out_dir}", "metrics.port=none", *extra]
     t0 = time.time()

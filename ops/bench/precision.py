@@ -30,7 +30,7 @@ from learner_pass import one_pass, sequences  # noqa: E402
 from actors.engine import VLLMEngine  # noqa: E402
 from exgrpo_async import precision  # noqa: E402
 from exgrpo_async.config import RunConfig  # noqa: E402
-from exgrpo_async.toy import build_model, ensure_toy_assets  # noqa: E402
+from exgrpo_async.toy.task import build_model, ensure_toy_assets  # noqa: E402
 
 Q, K, MAX_TOKENS = 16, 8, 64
 

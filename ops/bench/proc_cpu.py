@@ -5,7 +5,7 @@ of every process that was not there before it started; at the end prints the wal
 in all of them, the total per command line (first 110 characters) and the 12 largest processes. A
 process's last sample is what counts, so one that lives shorter than `--every` is missed or undercounted.
 
-    .venv/bin/python ops/bench/proc_cpu.py -- .venv/bin/python -m exgrpo_async.cli train \
+    .venv/bin/python ops/bench/proc_cpu.py -- .venv/bin/python -m exgrpo_async.launcher.cli train \
         --config configs/qwen2.5-math-7b-8gpu.toml --rehearse learner.eval_before=false metrics.port=none
 """
 

@@ -64,7 +64,7 @@ def actor_pids(launcher: int) -> list[int]:
             cmd = child.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if "exgrpo_async.cli" in cmd and "actor" in cmd:
+        if "exgrpo_async.launcher.cli" in cmd and "actor" in cmd:
             pids.append(child.pid)
     return pids
 
@@ -134,7 +134,7 @@ def one_round(ending: str, out: Path, timeout_s: float) -> dict:
     steps = {"actor_lost": 5, "lead_busy": 3, "sigterm": 100000}[ending]
     extra = [] if ending == "lead_busy" else ["data.eval_file=none"]
     log_path = out / "train.log"
-    cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", *BASE, f"learner.max_steps={steps}",
+    cmd = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", *BASE, f"learner.max_steps={steps}",
            f"output_dir={out / 'runs'}", *extra]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -188,7 +188,7 @@ def main() -> int:
     model = out / "bare-model"
     if set(endings) & set(BARE) and not (model / "config.json").exists():
         sys.path.insert(0, str(REPO))
-        from exgrpo_async.toy import build_model, build_tokenizer
+        from exgrpo_async.toy.task import build_model, build_tokenizer
 
         build_tokenizer(model)
         build_model(0).save_pretrained(str(model))

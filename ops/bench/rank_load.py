@@ -80,7 +80,7 @@ def main() -> None:
     import torch.multiprocessing as mp
     from transformers import Qwen2ForCausalLM
 
-    from exgrpo_async.toy import build_tokenizer
+    from exgrpo_async.toy.task import build_tokenizer
 
     # glibc keeps freed blocks below its (growing) mmap threshold in the heap: the ranks' resident memory
     # would then hold every tensor ever freed. Allocations above 64 KiB go to mmap and return on free.

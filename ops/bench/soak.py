@@ -123,7 +123,7 @@ class Schedule:
             self.frozen = (target, time.time() + self.freeze_s)
         elif kind == "add" and self.added is None:
             log = open(self.log_dir / f"added-actor-{self.n}.log", "w")
-            self.added = subprocess.Popen([sys.executable, "-m", "exgrpo_async.cli", "actor", "--learner",
+            self.added = subprocess.Popen([sys.executable, "-m", "exgrpo_async.launcher.cli", "actor", "--learner",
                                            self.address], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         elif kind == "remove" and self.added is not None:
             self.added.terminate()
@@ -163,7 +163,7 @@ def main() -> None:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     restarts = int(a.minutes * 60 / a.every) + 3
-    cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", f"output_dir={out / 'runs'}", "learner.max_steps=1000000",
+    cmd = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", f"output_dir={out / 'runs'}", "learner.max_steps=1000000",
            f"learner.max_seconds={a.minutes * 60 + SAFETY_S}", "data.eval_file=none", f"actor.max_restarts={restarts}",
            "transport.actor_timeout_s=10", "learner.checkpoint_every=0", *extra]
     with open(out / "train.log", "w") as log:

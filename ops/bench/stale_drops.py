@@ -37,7 +37,7 @@ def spin() -> None:
 def run(out: Path, seed: int, steps: int, override: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     with open(out.with_suffix(".log"), "w") as f:
-        cmd = [sys.executable, "-m", "exgrpo_async.cli", "train", f"output_dir={out}", f"learner.max_steps={steps}",
+        cmd = [sys.executable, "-m", "exgrpo_async.launcher.cli", "train", f"output_dir={out}", f"learner.max_steps={steps}",
                f"learner.seed={seed}", "metrics.port=none", "learner.max_staleness=1", override]
         if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"failed: {' '.join(cmd)} (log: {out.with_suffix('.log')})")

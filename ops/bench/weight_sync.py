@@ -9,7 +9,7 @@ Each model runs once per `cpu_weight_reload` mode (a fresh engine and learner ea
 default, actors/cpu_reload.py) and "layerwise" (vLLM's layerwise reload).
 Both processes run torch with 1 thread, as the demo's actors and learner do.
 
-Models: the toy policy (exgrpo_async.toy.build_model, ~1M params, tied) and a ~113M Qwen2 (hidden 768,
+Models: the toy policy (exgrpo_async.toy.task.build_model, ~1M params, tied) and a ~113M Qwen2 (hidden 768,
 12 layers, 12 heads, head_dim 64, intermediate 3072, vocab 100, tied). Per model 1 warm-up + 5 repeats;
 each repeat runs, interleaved (clock always on the main process, request -> both sides done):
 - sync: the learner replies with `meta` and broadcasts every bucket (`WeightPublisher.send`); main runs
@@ -57,7 +57,7 @@ def build_policy(out: Path, size: str) -> int:
     """Save the toy tokenizer plus a tied Qwen2 of the given size; returns the parameter count."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from exgrpo_async.toy import build_model, build_tokenizer
+    from exgrpo_async.toy.task import build_model, build_tokenizer
 
     build_tokenizer(out)
     if size == "toy":

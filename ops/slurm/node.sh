@@ -98,7 +98,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the config is checked on every node before anything starts; it gives the TP size and the thread counts
 read -r TP LEARNER_THREADS ACTOR_THREADS < <("$PY" - "$CONFIG" "${OVERRIDES[@]}" <<'PY'
 import sys
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 try:
     c = load_config(sys.argv[1] or None, sys.argv[2:])
 except ValueError as e:
@@ -138,7 +138,7 @@ if [ "$NODE" -lt "$L" ]; then
   # node 0; c10d orders the nodes by host name and could put it anywhere
   cmd=(env "${LEARNER_ENV[@]}" "$TORCHRUN" --nnodes "$L" --nproc-per-node "$P" --node-rank "$NODE"
        --rdzv-backend static --rdzv-endpoint "$HEAD:$RDZV_PORT" --max-restarts 0
-       -m exgrpo_async.cli learner "${CONFIG_ARGS[@]}" --run-dir "$RUN_DIR" "${RESUME_ARGS[@]}" "${OVERRIDES[@]}")
+       -m exgrpo_async.launcher.cli learner "${CONFIG_ARGS[@]}" --run-dir "$RUN_DIR" "${RESUME_ARGS[@]}" "${OVERRIDES[@]}")
   if [ "${EXGRPO_DRY_RUN:-0}" = 1 ]; then show "${cmd[@]}"; else "${cmd[@]}" & LEARNER_PID=$!; fi  # $!: torchrun itself
 fi
 
@@ -166,7 +166,7 @@ wait_for_learner() {  # the learner's socket opens once its weights are publishe
 actor_slot() {  # one actor, restarted when it fails (the learner re-issues its work)
   local i=$1 gpus=$2 log=$NODE_DIR/actor-$1.log tries=0 rc pid=
   trap '[ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null; wait; exit 143' TERM INT
-  local cmd=("$PY" -m exgrpo_async.cli actor --learner "$LEARNER" --keys "$ACTOR_KEYS" --advertise-host "$NODE_ADDR")
+  local cmd=("$PY" -m exgrpo_async.launcher.cli actor --learner "$LEARNER" --keys "$ACTOR_KEYS" --advertise-host "$NODE_ADDR")
   if [ "${EXGRPO_DRY_RUN:-0}" = 1 ]; then echo "CUDA_VISIBLE_DEVICES=$gpus $(show "${cmd[@]}")"; return 0; fi
   wait_for_learner || return 1
   while :; do

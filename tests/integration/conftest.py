@@ -1,7 +1,7 @@
 """Shared fixtures of the integration tests that run `exgrpo-async` for real.
 
 `small` is the common set of overrides: the demo's warm-started toy policy (installed from the copy the
-package ships, exgrpo_async/toy_shipped.py, under EXGRPO_TEST_TOY_CACHE, default
+package ships, exgrpo_async/toy/shipped.py, under EXGRPO_TEST_TOY_CACHE, default
 ~/.cache/exgrpo_async/tests, in a folder keyed by the recipe; were the recipe changed without
 rebuilding the shipped copy, the first session builds it: minutes), the held-out set's first 200
 questions (the set the tests were written against; the demo's has 1,000), a small batch, and the
@@ -44,7 +44,7 @@ def pytest_collection_finish(session) -> None:
         return
     TOY_CACHE.mkdir(parents=True, exist_ok=True)
     log = TOY_CACHE / f"build-{os.getpid()}.log"
-    code = ("import sys; from exgrpo_async.config import load_config; from exgrpo_async.launch import resolve_toy; "
+    code = ("import sys; from exgrpo_async.config_io import load_config; from exgrpo_async.runs import resolve_toy; "
             "resolve_toy(load_config(None, sys.argv[1:]))")  # the same call as `train`'s
     # the build's 2 OpenMP threads share the cores with the tests: spinning at each barrier while the
     # other thread waits for a core made it 1.8x slower beside two busy processes (120 SFT steps: 102 s,
@@ -76,8 +76,8 @@ def toy() -> Path:
             raise
         assert rc == 0, f"the toy policy's build failed (exit {rc}):\n" + _build["log"].read_text()[-3000:]
         _build["log"].unlink(missing_ok=True)
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
 
     return Path(resolve_toy(load_config(None, TOY)).model.path)
 
@@ -85,8 +85,8 @@ def toy() -> Path:
 @pytest.fixture(scope="session")
 def held_out(toy, tmp_path_factory) -> Path:
     """The toy held-out set's first HELD_OUT_QUESTIONS questions (its first pass over the five kinds)."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
 
     full = Path(resolve_toy(load_config(None, TOY)).data.eval_file)
     out = tmp_path_factory.mktemp("held-out") / "held-out.jsonl"

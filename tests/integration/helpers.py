@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def cli(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "exgrpo_async.cli", *args]
+    return [sys.executable, "-m", "exgrpo_async.launcher.cli", *args]
 
 
 def free_port() -> int:
@@ -39,7 +39,7 @@ def actor_pids(launcher_pid: int) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"actor" in cmd and b"exgrpo_async.cli" in cmd:
+        if b"actor" in cmd and b"exgrpo_async.launcher.cli" in cmd:
             pids.append(pid)
     return sorted(pids)
 

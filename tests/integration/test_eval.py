@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from actors.evaluate import evaluate
-from exgrpo_async.config import load_config
-from exgrpo_async.toy import FIRST_PASS, boxed_int_correct, make_test_set
+from exgrpo_async.config_io import load_config
+from exgrpo_async.toy.task import FIRST_PASS, boxed_int_correct, make_test_set
 from tests.integration.helpers import cli
 
 pytestmark = pytest.mark.slow  # vLLM engines on the toy policy and a benchmark slice: 1-3 min each
@@ -37,7 +37,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_toy_accuracy_is_measured_against_true_answers_and_a_benchmark_slice(small, tmp_path):
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.runs import resolve_toy
 
     cfg = resolve_toy(load_config(None, small))  # builds (or reuses) the session's warm-started toy policy
     golds = make_test_set(cfg.toy.seed, per_kind=FIRST_PASS)  # the held-out set's first 200 questions

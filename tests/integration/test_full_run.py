@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.toy import TEST_KINDS, make_test_set
+from exgrpo_async.toy.task import TEST_KINDS, make_test_set
 from tests.integration.helpers import actor_pids, children_of, cli, log_excerpt
 from tests.reward_fns import PROBE_LOG_ENV
 from tests.unit.test_trackers import tensorboard_scalars, wandb_history
@@ -57,8 +57,8 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
 def eval_slice(small: list[str], folder: Path) -> Path:
     """The toy test set's first EVAL_QUESTIONS questions: the evaluations before and after are what is
     checked, not the policy's accuracy (200 questions took 18 s per evaluation)."""
-    from exgrpo_async.config import load_config
-    from exgrpo_async.launch import resolve_toy
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
 
     full = Path(resolve_toy(load_config(None, small)).data.eval_file)
     out = folder / "toy-test-slice.jsonl"
@@ -203,8 +203,8 @@ def test_sigterm_stops_every_child(small, tmp_path):
                 stat = Path(f"/proc/{k}/stat").read_text()
             except FileNotFoundError:
                 continue
-            if b"exgrpo_async.cli" in argv:
-                role_nice[argv[argv.index(b"exgrpo_async.cli") + 1].decode()] = int(stat.rsplit(")", 1)[1].split()[16])
+            if b"exgrpo_async.launcher.cli" in argv:
+                role_nice[argv[argv.index(b"exgrpo_async.launcher.cli") + 1].decode()] = int(stat.rsplit(")", 1)[1].split()[16])
         assert role_nice.get("actor") == role_nice.get("learner", -99) + 10, role_nice
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.config import load_config
-from exgrpo_async.launch import resolve_toy
+from exgrpo_async.config_io import load_config
+from exgrpo_async.runs import resolve_toy
 from tests.integration.helpers import children_of
 
 pytestmark = pytest.mark.slow  # two nodes' learner ranks and an actor: 2-4 min

@@ -1,4 +1,4 @@
-"""The shipped 8-GPU configs rehearsed on CPU (`exgrpo-async train --config C --rehearse`, exgrpo_async/rehearse.py).
+"""The shipped 8-GPU configs rehearsed on CPU (`exgrpo-async train --config C --rehearse`, exgrpo_async/launcher/rehearse.py).
 
 Each config runs its own process topology and code path at the toy shape: its GPU plan (every process
 started with the CUDA_VISIBLE_DEVICES the node would give it), its learner ranks (FSDP2 over gloo, the
@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exgrpo_async.config import load_config
-from exgrpo_async.rehearse import EVAL_SOURCES, STEPS
+from exgrpo_async.config_io import load_config
+from exgrpo_async.launcher.rehearse import EVAL_SOURCES, STEPS
 from tests.integration.conftest import TOY
 from tests.integration.helpers import cli
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.transport import ActorSocket, LearnerSocket
 from exgrpo_async.weight_sync import WeightPublisher

@@ -4,7 +4,7 @@ entropies and gradients of each sequence run alone, and the start-up check catch
 import pytest
 import torch
 
-from exgrpo_async.toy import build_model
+from exgrpo_async.toy.task import build_model
 from learner.maths import attention
 from learner.maths.grpo import check_no_cross_attention, rows_logprobs
 from learner.maths.packing import pack_rows, pad_rows

@@ -7,18 +7,18 @@ import io
 import logging
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from exgrpo_async.cli import main
-from exgrpo_async.config import config_diff, config_toml, load_config
+from exgrpo_async.config_io import config_diff, config_toml, load_config
+from exgrpo_async.launcher.cli import main
 from exgrpo_async.logs import DropVllmNoise, setup_logging
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "exgrpo_async.cli"]
+CLI = [sys.executable, "-m", "exgrpo_async.launcher.cli"]
 
 
 def test_version_is_the_installed_package_version():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 from learner.maths import compiled
 
 CPU = torch.device("cpu")

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.config import RunConfig, config_from_json, load_config
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import config_from_json, load_config
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -40,7 +41,7 @@ def test_8gpu_configs_are_the_paper_recipe_and_fit_8x80gb(name, shape):
     opens <think> for the 1.5B backbone, best weights chosen without Minerva; the planner accepts the
     placement on 8 GPUs and the memory model puts each learner rank, the lead with its publish buffers, under 90% of an 80 GB H100."""
     from exgrpo_async.data import load_pool
-    from exgrpo_async.placement import plan
+    from exgrpo_async.launcher.placement import plan
     from learner.maths import memory_model
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
@@ -142,8 +143,8 @@ def test_none_words_set_optional_fields(tmp_path):
 def test_the_toy_test_set_is_the_default_eval_file_but_none_turns_it_off(tmp_path, monkeypatch, overrides, expected):
     """With model.path="toy", an unset data.eval_file means the toy test set; an explicit none means no
     held-out evaluation (it used to be replaced by the toy test set too), and survives config.json."""
-    import exgrpo_async.toy as toy
-    from exgrpo_async.launch import resolve_toy
+    import exgrpo_async.toy.task as toy
+    from exgrpo_async.runs import resolve_toy
 
     paths = {"model": tmp_path / "m", "train": tmp_path / "train.jsonl", "test": tmp_path / "test.jsonl"}
     monkeypatch.setattr(toy, "ensure_toy_assets", lambda *a, **k: paths)  # the warm start itself: not needed here

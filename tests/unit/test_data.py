@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from exgrpo_async.data import DataError, Question, QuestionSampler, extract_last_boxed, load_pool, render_prompt
-from exgrpo_async.toy import build_tokenizer
+from exgrpo_async.toy.task import build_tokenizer
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 

@@ -10,10 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.evaluate import (QuestionResult, aggregate, default_out, format_table, prepare, run_shard, summarize,
-                             write_report)
-from exgrpo_async.cli import main as cli_main
-from exgrpo_async.config import load_config
+from actors.evaluate import (
+    QuestionResult,
+    aggregate,
+    default_out,
+    format_table,
+    prepare,
+    run_shard,
+    summarize,
+    write_report,
+)
+from exgrpo_async.config_io import load_config
+from exgrpo_async.launcher.cli import main as cli_main
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 

@@ -5,7 +5,7 @@ import random
 
 import numpy as np
 
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 from exgrpo_async.data import QuestionSampler
 from exgrpo_async.rollout import Completion, RolloutGroup
 from learner.dispatch import Dispatcher, WorkItem

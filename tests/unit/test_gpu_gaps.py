@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
 import gpu_gaps  # noqa: E402
 
 from exgrpo_async.config import RunConfig  # noqa: E402
-from exgrpo_async.toy import build_model  # noqa: E402
+from exgrpo_async.toy.task import build_model  # noqa: E402
 from learner.maths import attention  # noqa: E402
 from learner.maths.update import Seq, StepSettings, update_policy  # noqa: E402
 

@@ -172,7 +172,7 @@ def test_mismatch_kl_is_zero_on_equal_policies_and_positive_otherwise():
 
 
 def test_chunked_logprobs_and_entropy_match_full_logits_values_and_gradients():
-    from exgrpo_async.toy import build_model
+    from exgrpo_async.toy.task import build_model
 
     torch.manual_seed(0)
     model = build_model(0)
@@ -196,7 +196,7 @@ def test_chunked_logprobs_and_entropy_match_full_logits_values_and_gradients():
 
 
 def test_bf16_compute_runs_the_forward_in_bf16_and_reduces_in_fp32():
-    from exgrpo_async.toy import build_model
+    from exgrpo_async.toy.task import build_model
 
     torch.manual_seed(0)
     model = build_model(0)

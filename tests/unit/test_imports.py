@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = {"actors": {"learner"}, "learner": {"actors"}, "exgrpo_async": {"actors", "learner"}}
 # The command line is the composition root: it starts a role through that role's main module (`eval`
 # through actors.main.run_eval), and nothing else in exgrpo_async may name a role package.
-COMPOSITION_ROOT = ROOT / "exgrpo_async" / "cli.py"
+COMPOSITION_ROOT = ROOT / "exgrpo_async" / "launcher" / "cli.py"
 
 
 def imported_top_packages(path: Path) -> set[str]:
@@ -138,3 +138,25 @@ def test_the_ranks_implement_the_maths_collectives():
 
     assert isinstance(Ranks(), Collectives) and isinstance(SOLO, Collectives)
     assert not isinstance(object(), Collectives)
+
+
+# exgrpo_async/ in three parts (issue 50): the shared library (its top-level modules), the launcher and CLI
+# (exgrpo_async/launcher/), the toy task and the report (exgrpo_async/toy/, exgrpo_async/report/). Only the
+# command line reaches the launcher: no library module, learner or actor module imports it.
+def launcher_importers(root: Path) -> set[str]:
+    graph = import_graph(root, ("exgrpo_async", "learner", "actors"))
+    return {mod for mod, deps in graph.items() if not mod.startswith("exgrpo_async.launcher")
+            and any(d.startswith("exgrpo_async.launcher") for d in deps)}
+
+
+def test_only_the_command_line_reaches_the_launcher():
+    assert (ROOT / "exgrpo_async" / "launcher" / "train.py").exists()
+    assert launcher_importers(ROOT) == set()
+
+
+def test_the_launcher_check_sees_a_library_module_reach_it(tmp_path):
+    for d in ("exgrpo_async/launcher", "learner", "actors"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "exgrpo_async" / "launcher" / "train.py").write_text("from exgrpo_async import runs\n")
+    (tmp_path / "exgrpo_async" / "runs.py").write_text("def f():\n    from exgrpo_async.launcher.train import g\n")
+    assert launcher_importers(tmp_path) == {"exgrpo_async.runs"}

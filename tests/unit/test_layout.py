@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
+from exgrpo_async.launcher.placement import plan
 from exgrpo_async.layout import balance, idle_medians, resolve
-from exgrpo_async.placement import plan
 
 
 def _cfg(*extra):

@@ -53,7 +53,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WOR
 ranks = Ranks.from_env(2, "cpu", 30.0)
 if ranks.lead:
     def stop(*_):
-        raise SystemExit(143)  # what exgrpo_async/cli.py installs
+        raise SystemExit(143)  # what exgrpo_async/launcher/cli.py installs
     signal.signal(signal.SIGTERM, stop)
     rc = 0
     try:

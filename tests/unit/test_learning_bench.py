@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
 import learning  # noqa: E402
 
-from exgrpo_async.toy import TEST_KINDS  # noqa: E402
+from exgrpo_async.toy.task import TEST_KINDS  # noqa: E402
 
 
 def test_heldout_draw_is_fixed_distinct_and_apart_from_the_pool():
@@ -33,7 +33,7 @@ def test_heldout_draw_refuses_a_kind_it_cannot_fill():
 @pytest.mark.parametrize("name", sorted(learning.ARMS))
 def test_every_arm_loads_and_sets_what_it_names(name):
     # a typo in an arm surfaces here, not an hour into a bench invocation as a failed run
-    from exgrpo_async.config import load_config, parse_override_value
+    from exgrpo_async.config_io import load_config, parse_override_value
 
     for scenario in learning.SCENARIOS:
         cfg = load_config(None, [*learning.SCENARIOS[scenario], *learning.ARMS[name]])

@@ -211,7 +211,7 @@ def test_json_log_lines_carry_role_and_id(capsys, monkeypatch, restore_logging):
 
 def test_a_taken_actor_port_is_a_clear_error():
     from actors.metrics import start_actor_metrics
-    from exgrpo_async.config import load_config
+    from exgrpo_async.config_io import load_config
 
     first = ActorMetrics("127.0.0.1", 0)
     try:

@@ -11,7 +11,7 @@ import torch
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import Completion, RolloutGroup
-from exgrpo_async.toy import build_model
+from exgrpo_async.toy.task import build_model
 from learner.dispatch import WorkItem
 from learner.maths.buffer import Trajectory
 from learner.maths.update import StepSettings, assemble, update_policy

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from exgrpo_async.toy import build_model
+from exgrpo_async.toy.task import build_model
 from learner.maths.grpo import behaviour_weights, rows_logprobs
 from learner.maths.packing import micro_batches, pack_rows, pad_rows
 from tests.unit.test_update import _cfg, _run, _seqs

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from exgrpo_async.launch import gain_lines
+from exgrpo_async.launcher.summary import gain_lines
 from learner.inbox import paired_gain, standard_error, without_per_question
 
 

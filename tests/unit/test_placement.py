@@ -1,5 +1,5 @@
 """Where `exgrpo-async train` puts its processes: on CPU an actor per core and the learner on the cores left
-over (`launch.placement`); on a GPU node disjoint GPU sets from the planner (`exgrpo_async.placement.plan`)
+over (`launch.placement`); on a GPU node disjoint GPU sets from the planner (`exgrpo_async.launcher.placement.plan`)
 on nodes of 1, 2, 4 and 8 GPUs (no GPU needed), and `train --dry-run`."""
 
 import subprocess
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.config import load_config
-from exgrpo_async.launch import child_setup, placement
-from exgrpo_async.placement import PlacementError, plan
+from exgrpo_async.config_io import load_config
+from exgrpo_async.launcher.placement import PlacementError, plan
+from exgrpo_async.launcher.processes import child_setup, placement
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_a_cpu_run_has_no_plan():
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*-8gpu.toml")))
 def test_dry_run_prints_the_placement_of_each_shipped_config_quickly(config):
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "train", "--config", str(config), "--dry-run"],
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "--config", str(config), "--dry-run"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "node: 8 GPUs" in proc.stdout and "learner (" in proc.stdout and "actor 1 (TP" in proc.stdout
@@ -69,7 +69,7 @@ def test_dry_run_prints_the_placement_of_each_shipped_config_quickly(config):
 
 
 def test_train_refuses_a_bad_plan_before_starting_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "train", "placement.gpus=2", "learner.world_size=2",
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "placement.gpus=2", "learner.world_size=2",
                            "actor.num_actors=1", f"output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO,
                           timeout=60)
     assert proc.returncode == 2 and "placement:" in proc.stderr
@@ -108,7 +108,7 @@ def test_cpu_thread_binding_splits_the_actors_cores_between_its_workers():
 
 
 def test_a_plan_for_more_gpus_than_the_node_shows_is_refused():
-    from exgrpo_async.launch import check_devices
+    from exgrpo_async.launcher.train import check_devices
 
     p = plan(_cfg(4, 2, 2), 8)
     check_devices(p, 8)
@@ -129,7 +129,7 @@ def test_an_actor_child_runs_nicer_on_its_cores():
 def test_a_preset_cuda_visible_devices_is_honoured():
     """Plan indices are positions among the devices `train` sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 the
     learner's GPU 0 is physical GPU 4, not 0 (a scheduler's partial node)."""
-    from exgrpo_async.placement import visible
+    from exgrpo_async.launcher.placement import visible
 
     assert visible([0], None) == "0" and visible([1, 2], "") == "1,2"
     assert visible([0], "4,5,6,7") == "4" and visible([2, 3], "4,5,6,7") == "6,7"
@@ -141,7 +141,7 @@ def test_a_preset_cuda_visible_devices_is_honoured():
 def test_gpu_actors_get_a_real_share_of_the_cores():
     """On a GPU run each actor gets an equal slice of the node's cores (engine, TP workers and verifier
     workers share it), not one core; the learner the first slice and the remainder."""
-    from exgrpo_async.launch import gpu_core_slices
+    from exgrpo_async.launcher.processes import gpu_core_slices
 
     spare, actors = gpu_core_slices(list(range(64)), 7, True)
     assert actors == [list(range(8 * (i + 1), 8 * (i + 2))) for i in range(7)]

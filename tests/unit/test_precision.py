@@ -3,7 +3,7 @@
 import pytest
 
 from exgrpo_async import precision
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 
 ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"

@@ -1,4 +1,4 @@
-"""exgrpo_async/preflight.py: a user's first mistakes (data files, model folder, output folder, ports) are
+"""exgrpo_async/launcher/preflight.py: a user's first mistakes (data files, model folder, output folder, ports) are
 found before `train` starts anything, one line each; and through the command line, exit 2 in a second."""
 
 import json
@@ -12,9 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from exgrpo_async import preflight
-from exgrpo_async.config import RunConfig, with_values
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import with_values
 from exgrpo_async.data import DataError, check_file
+from exgrpo_async.launcher import preflight
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -260,7 +261,7 @@ def test_every_problem_is_listed_and_a_follower_rank_checks_only_the_model(tmp_p
 # ----------------------------------------------------------------------------- through the command line
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "train", *args, f"output_dir={tmp_path / 'runs'}"],
+    return subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", *args, f"output_dir={tmp_path / 'runs'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -302,7 +303,7 @@ def test_a_policy_folder_as_transformers_saves_it_passes(tiny_tied, tmp_path):
 def test_the_learner_command_fails_in_one_line_before_it_loads_anything(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RANK"} | {"PYTHONPATH": str(REPO)}
     (tmp_path / "run").write_text("")
-    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.cli", "learner", "--run-dir", str(tmp_path / "run"),
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "learner", "--run-dir", str(tmp_path / "run"),
                            "model.path=/nonexistent", f"data.train_files={json.dumps([str(tmp_path / 'nope.jsonl')])}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr

@@ -39,7 +39,7 @@ def test_end_rank_process_exits_with_its_code_and_flushes(tmp_path):
 
 # ---------------------------------------------------------------------------------- every way a rank ends
 def test_the_run_fails_when_any_rank_failed_whenever_it_ended(caplog):
-    from exgrpo_async.launch import judge_ranks
+    from exgrpo_async.launcher.processes import judge_ranks
 
     assert judge_ranks(0, [0, 0, 0]) == 0
     assert judge_ranks(143, [0]) == 143  # the lead's own failure stands

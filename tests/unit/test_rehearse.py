@@ -1,4 +1,4 @@
-"""exgrpo_async/rehearse.py: what a rehearsal keeps from a GPU config, what it replaces, and its data.
+"""exgrpo_async/launcher/rehearse.py: what a rehearsal keeps from a GPU config, what it replaces, and its data.
 (The rehearsals themselves run in tests/integration/test_rehearsal.py.)"""
 
 from __future__ import annotations
@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.config import load_config
+from exgrpo_async.config_io import load_config
 from exgrpo_async.data import load_pool, render_prompt, set_chat_template
-from exgrpo_async.rehearse import EVAL_PER_SOURCE, EVAL_SOURCES, TOY_CHAT_TEMPLATE, TRAIN_QUESTIONS, rehearsal, write_data
+from exgrpo_async.launcher.rehearse import (
+    EVAL_PER_SOURCE,
+    EVAL_SOURCES,
+    TOY_CHAT_TEMPLATE,
+    TRAIN_QUESTIONS,
+    rehearsal,
+    write_data,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SEVEN_B = str(CONFIGS / "qwen2.5-math-7b-8gpu.toml")
@@ -18,7 +25,7 @@ SEVEN_B = str(CONFIGS / "qwen2.5-math-7b-8gpu.toml")
 @pytest.fixture
 def toy_assets(monkeypatch, tiny_tied):
     """The toy policy's cache stands in for a warm start: rehearsal() only needs its paths."""
-    monkeypatch.setattr("exgrpo_async.toy.ensure_toy_assets", lambda *a, **k: {"model": tiny_tied})
+    monkeypatch.setattr("exgrpo_async.toy.task.ensure_toy_assets", lambda *a, **k: {"model": tiny_tied})
 
 
 def test_the_topology_and_recipe_are_kept_and_gpu_settings_replaced(toy_assets, tiny_tied, tmp_path, monkeypatch):

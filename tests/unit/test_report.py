@@ -1,4 +1,4 @@
-"""The run report, drawn with matplotlib (exgrpo_async/plots.py): from a recorded metrics.jsonl every plot
+"""The run report, drawn with matplotlib (exgrpo_async/report/plots.py): from a recorded metrics.jsonl every plot
 is a readable 800x400 PNG, series that coincide (reward_mean and pass_at_1 on a toy run) are drawn
 distinguishably, gaps stay gaps, and report.md references every plot, counts unreadable metrics lines and
 says what it could not plot."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from exgrpo_async.plots import bar_chart, draw_bands, figure, line_chart, stacked_area_chart
-from exgrpo_async.report import charts, held_out_table, read_metrics, write_report
+from exgrpo_async.report.plots import bar_chart, draw_bands, figure, line_chart, stacked_area_chart
+from exgrpo_async.report.write import charts, held_out_table, read_metrics, write_report
 
 PLOTS = {"reward.png", "buffer.png", "buffer_size.png", "staleness.png", "staleness_hist.png", "weights.png",
          "rollouts_per_s.png", "tokens_per_s.png", "step_time.png"}
@@ -169,7 +169,7 @@ def test_a_short_run_has_no_smoothed_curve_and_a_run_without_evaluations_no_tabl
 
 
 def test_the_summary_and_the_final_table_carry_the_held_out_curve(tmp_path, capsys):
-    from exgrpo_async.launch import print_summary
+    from exgrpo_async.launcher.summary import print_summary
     from learner.shell import held_out_curve
 
     _, summary = _long_run(tmp_path)

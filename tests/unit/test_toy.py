@@ -6,10 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exgrpo_async.config import ToyConfig, load_config
-from exgrpo_async.toy import (EOS, PAD, PROMPT_TEMPLATE, WARM_START_BAND, band_warnings, boxed_int_correct,
-                              build_model, build_tokenizer, make_test_set, policy_accuracy, score_completions,
-                              sft, sft_lr_factor)
+from exgrpo_async.config import ToyConfig
+from exgrpo_async.config_io import load_config
+from exgrpo_async.toy.task import (
+    EOS,
+    PAD,
+    PROMPT_TEMPLATE,
+    WARM_START_BAND,
+    band_warnings,
+    boxed_int_correct,
+    build_model,
+    build_tokenizer,
+    make_test_set,
+    policy_accuracy,
+    score_completions,
+    sft,
+    sft_lr_factor,
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +158,7 @@ def test_two_builders_at_once_take_turns_and_the_second_reuses_the_first(tmp_pat
     import threading
     import time
 
-    from exgrpo_async import toy
+    from exgrpo_async.toy import task as toy
 
     builds = []
 

@@ -1,4 +1,4 @@
-"""The shipped warm-started toy policy (exgrpo_async/toy_shipped.py): it is the demo's recipe, it installs
+"""The shipped warm-started toy policy (exgrpo_async/toy/shipped.py): it is the demo's recipe, it installs
 instead of the SFT, a damaged copy is refused, and the mode that builds it gives the same bits whatever
 the CPU's vector width and the thread count."""
 
@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async import toy, toy_shipped
 from exgrpo_async.config import ToyConfig
+from exgrpo_async.toy import shipped as toy_shipped
+from exgrpo_async.toy import task as toy
 
 REBUILD = "the recipe changed: rebuild the shipped policy with `ops/toy-policy build` and commit it"
 
 
 def test_the_shipped_policy_is_the_demos_recipe():
     m = toy_shipped.manifest()
-    assert m is not None, "exgrpo_async/toy_policy/shipped.json is missing"
+    assert m is not None, "exgrpo_async/toy/policy/shipped.json is missing"
     assert (m["seed"], m["sft_steps"]) == (ToyConfig().seed, ToyConfig().sft_steps)
     assert m["key"] == toy.recipe_key(m["seed"], m["sft_steps"]), REBUILD
     assert toy_shipped.sha256(toy_shipped.SHIPPED / "model.safetensors") == m["sha256"]
@@ -71,7 +72,7 @@ def test_a_damaged_copy_is_refused(tmp_path):
 
 SFT_HASH = """
 import hashlib, sys, torch
-from exgrpo_async import toy
+from exgrpo_async.toy import task as toy
 torch.set_num_threads(int(sys.argv[1]))
 tok_dir = sys.argv[2]
 toy.build_tokenizer(tok_dir)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_async.config import MetricsConfig, load_config
+from exgrpo_async.config import MetricsConfig
+from exgrpo_async.config_io import load_config
 from exgrpo_async.metrics import check_trackers
 from learner.trackers import Trackers, flatten
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_async.config import RunConfig, load_config
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import load_config
 from exgrpo_async.rollout import Completion, RolloutGroup
-from exgrpo_async.toy import build_model
+from exgrpo_async.toy.task import build_model
 from learner.dispatch import WorkItem
 from learner.maths.buffer import Trajectory
 from learner.maths.grpo import token_logprobs

@@ -312,7 +312,7 @@ def test_spec_failing_only_in_the_workers_stops_the_pool_with_its_reason() -> No
 
 
 def test_spec_is_checked_when_the_config_loads() -> None:
-    from exgrpo_async.config import load_config
+    from exgrpo_async.config_io import load_config
 
     cfg = load_config(None, ["actor.verifier.function=exgrpo_async.rewards:exact_match"])
     assert cfg.actor.verifier.function == "exgrpo_async.rewards:exact_match"

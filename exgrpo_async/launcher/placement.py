@@ -5,7 +5,7 @@ The learner's `learner.world_size` ranks and each of the `actor.num_actors` acto
 learner takes the first GPUs and the actors the next ones in order; `placement.learner_gpus` and
 `placement.actor_gpus` say it explicitly. A plan that overlaps, needs more GPUs than the node has, or
 gives an actor a GPU count other than its tensor-parallel size is an error before anything starts.
-A CPU run (no GPUs) has no plan: processes share the cores (launch.py pins actors to cores).
+A CPU run (no GPUs) has no plan: processes share the cores (launcher/processes.py pins actors to cores).
 `train` sets each process's CUDA_VISIBLE_DEVICES from the plan; a learner rank then uses its
 LOCAL_RANK-th visible device, an actor's engine all of its own.
 """

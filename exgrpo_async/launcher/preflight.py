@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
+from exgrpo_async.custom_reward import RewardFunctionError, load_reward_function
 from exgrpo_async.data import DataError, check_file
 
 FIRST_ROWS = 20  # rows of each data file parsed up front
@@ -179,3 +180,16 @@ def report(problems: list[str]) -> bool:
     for line in problems:
         print(f"exgrpo-async: {line}", file=sys.stderr)
     return not problems
+
+
+def reward_function_loads(cfg: RunConfig) -> bool:
+    """Whether `actor.verifier.function` (if set) imports here; if not, says why on stderr. Cheap (a
+    Python import), and checked before anything starts: every actor would fail with the same error."""
+    if cfg.actor.verifier.function is None:
+        return True
+    try:
+        load_reward_function(cfg.actor.verifier.function)
+        return True
+    except RewardFunctionError as e:
+        print(f"exgrpo-async: {e}", file=sys.stderr)
+        return False

@@ -20,8 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exgrpo_async.config import RunConfig, load_config, with_values
-from exgrpo_async.placement import Plan, plan
+from exgrpo_async.config import RunConfig
+from exgrpo_async.config_io import load_config, with_values
+from exgrpo_async.launcher.placement import Plan, plan
 
 STEPS = 4  # two evaluations and two checkpoints (every 2 steps), the last of them at the end
 # The toy policy reads "<bos>" + the question: the template renders the user message alone (the system
@@ -52,7 +53,7 @@ def rehearsal(path: str | None, overrides: list[str], actors: int = 1) -> tuple[
     user = {item.split("=", 1)[0].strip() for item in overrides}
     out = Path(node.output_dir if "output_dir" in user else node.output_dir + "-rehearsal")
     train, valid = write_data(node, out / "data")
-    from exgrpo_async.toy import ensure_toy_assets
+    from exgrpo_async.toy.task import ensure_toy_assets
 
     toy = ensure_toy_assets(Path(node.toy.cache_dir), node.toy.seed, node.toy.sft_steps, threads=node.toy.sft_threads)
     L, A = node.learner, node.actor
@@ -98,7 +99,7 @@ def write_data(cfg: RunConfig, folder: Path) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from exgrpo_async.toy import TEST_KINDS, make_test_set, make_train_set
+    from exgrpo_async.toy.task import TEST_KINDS, make_test_set, make_train_set
 
     folder.mkdir(parents=True, exist_ok=True)
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []

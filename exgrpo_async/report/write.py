@@ -2,7 +2,7 @@
 
 Written by the learner at the end of a run and by `exgrpo-async report RUN_DIR` at any time (a run
 still going or one that crashed has no summary: the report says so). A table of the held-out accuracies
-(before, at each `learner.eval_every`, after). Plots (matplotlib, through exgrpo_async/plots.py):
+(before, at each `learner.eval_every`, after). Plots (matplotlib, through exgrpo_async/report/plots.py):
 reward and pass@1 (on a run of 10 steps or more, as trailing means over steps) with the held-out
 accuracies, buffer composition by bucket, staleness, importance weights, throughput and step time. Unreadable metrics lines (a killed run's
 last line) are skipped and counted in the report.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from exgrpo_async.plots import Series, bar_chart, line_chart, save, stacked_area_chart
+from exgrpo_async.report.plots import Series, bar_chart, line_chart, save, stacked_area_chart
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict], int]:

@@ -1,4 +1,4 @@
-"""`ops/toy-policy build|check`: build the shipped toy policy (exgrpo_async/toy_shipped.py), or rebuild it
+"""`ops/toy-policy build|check`: build the shipped toy policy (exgrpo_async/toy/shipped.py), or rebuild it
 in a temporary folder and compare it with the shipped files bit for bit. The build runs in a process
 started with toy_shipped.REPRODUCIBLE_ENV (torch reads it at import): `main` restarts itself with it."""
 
@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from exgrpo_async import toy
-from exgrpo_async.toy_shipped import FILES, REPRODUCIBLE_ENV, SEED, SFT_STEPS, SHIPPED, manifest, sha256
+from exgrpo_async.toy import task as toy
+from exgrpo_async.toy.shipped import FILES, REPRODUCIBLE_ENV, SEED, SFT_STEPS, SHIPPED, manifest, sha256
 
 
 def build(out: Path, threads: int = 2) -> dict:
@@ -45,13 +45,13 @@ def build(out: Path, threads: int = 2) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ops/toy-policy", description="Build the shipped toy policy, or rebuild "
                                  "it and compare bit for bit (about 6 minutes on 2 cores).")
-    ap.add_argument("command", choices=("build", "check"), help="build: write exgrpo_async/toy_policy/; check: "
+    ap.add_argument("command", choices=("build", "check"), help="build: write exgrpo_async/toy/policy/; check: "
                     "rebuild into a temporary folder and compare with the shipped files")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the bits do not depend on it)")
     args = ap.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in REPRODUCIBLE_ENV.items()):  # torch reads them at import
         env = dict(os.environ, **REPRODUCIBLE_ENV)
-        return subprocess.call([sys.executable, "-m", "exgrpo_async.toy_rebuild", *(argv or sys.argv[1:])], env=env)
+        return subprocess.call([sys.executable, "-m", "exgrpo_async.toy.rebuild", *(argv or sys.argv[1:])], env=env)
     if args.command == "build":
         m = build(SHIPPED, args.threads)
         print(f"built {SHIPPED}: key {m['key']}, sha256 {m['sha256']}")

@@ -5,9 +5,9 @@ in a mode that gives the same bits on any x86-64 CPU: torch's kernels at their p
 (`ATEN_CPU_CAPABILITY=default`) and MKL's conditional numerical reproducibility (`MKL_CBWR=COMPATIBLE`),
 so the result depends neither on the CPU's vector width nor on the thread count (REPRODUCIBLE_ENV).
 The weights (4 MB) and a manifest (shipped.json: the recipe key, the weights' sha256, the torch that
-built them, the warm start's held-out accuracy) live in exgrpo_async/toy_policy/; the tokenizer and the
+built them, the warm start's held-out accuracy) live in exgrpo_async/toy/policy/; the tokenizer and the
 task files are made again at install, by the same code. `ops/toy-policy build|check` (exgrpo_async/
-toy_rebuild.py) builds the policy, or rebuilds it and compares bit for bit.
+toy/rebuild.py) builds the policy, or rebuilds it and compares bit for bit.
 
 `toy.ensure_toy_assets` installs the shipped policy when the asked recipe's key equals the manifest's.
 The key hashes the source of every function that makes the policy (toy.RECIPE): change one and the
@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-SHIPPED = Path(__file__).resolve().parent / "toy_policy"
+SHIPPED = Path(__file__).resolve().parent / "policy"
 REPRODUCIBLE_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 FILES = ("model.safetensors", "config.json", "generation_config.json")
 SEED, SFT_STEPS = 0, 600
@@ -50,7 +50,7 @@ def matches(key: str, folder: Path = SHIPPED) -> bool:
 
 def install(model_dir: Path, sft_json: Path, write_tokenizer: Callable[[Path], None], folder: Path = SHIPPED) -> None:
     """Write the shipped policy (weights checked against the manifest) and its tokenizer (`write_tokenizer`,
-    the toy's own: exgrpo_async/toy.py) to `model_dir`, and the warm start's summary to `sft_json`."""
+    the toy's own: exgrpo_async/toy/task.py) to `model_dir`, and the warm start's summary to `sft_json`."""
     m = manifest(folder)
     if m is None:
         raise ShippedPolicyError(f"no shipped toy policy in {folder}")

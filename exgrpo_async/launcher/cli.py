@@ -62,7 +62,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from exgrpo_async.config import load_config
+    from exgrpo_async.config_io import load_config
 
     try:
         return load_config(args.config, args.overrides)
@@ -73,7 +73,7 @@ def _load(args):
 
 def _rehearsal(args):
     """The rehearsal's config, after printing the node's plan and every setting it replaces."""
-    from exgrpo_async.rehearse import rehearsal
+    from exgrpo_async.launcher.rehearse import rehearsal
 
     try:
         cfg, gpu_plan, changes = rehearsal(args.config, args.overrides)
@@ -142,7 +142,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    "start nothing")
     p.add_argument("--rehearse", action="store_true", help="rehearse a GPU config on this machine's CPU: its "
                    "process topology, placement and code path at the toy shape, a few steps "
-                   "(exgrpo_async/rehearse.py; prints every setting it replaces)")
+                   "(exgrpo_async/launcher/rehearse.py; prints every setting it replaces)")
 
 
 def _learner_args(p: argparse.ArgumentParser) -> None:
@@ -196,9 +196,9 @@ def _train(args, logs: dict) -> int:
         if not os.path.exists(args.config):
             print(f"exgrpo-async: --resume {args.resume}: no config.json there (not a run folder?)", file=sys.stderr)
             return 2
-    from exgrpo_async.launch import dry_run, train
+    from exgrpo_async.launcher.placement import PlacementError
+    from exgrpo_async.launcher.train import dry_run, train
     from exgrpo_async.metrics import check_trackers
-    from exgrpo_async.placement import PlacementError
 
     if args.rehearse and args.resume:
         print("exgrpo-async: --rehearse with --resume: a rehearsed run resumes as one (its config.json says so)",
@@ -227,8 +227,8 @@ def _learner(args, logs: dict) -> int:
     if args.resume and not args.run_dir:
         print("exgrpo-async: learner --resume needs --run-dir", file=sys.stderr)
         return 2
-    from exgrpo_async import preflight
-    from exgrpo_async.launch import reward_function_loads
+    from exgrpo_async.launcher import preflight
+    from exgrpo_async.launcher.preflight import reward_function_loads
 
     cfg = _load(args)
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads the data and writes the run
@@ -253,7 +253,7 @@ def _actor(args, logs: dict) -> int:
 
 
 def _eval_command(args, logs: dict) -> int:
-    from exgrpo_async.launch import reward_function_loads
+    from exgrpo_async.launcher.preflight import reward_function_loads
     from exgrpo_async.logs import setup_logging
 
     setup_logging("eval", **logs)
@@ -286,7 +286,7 @@ def _config_commands(p_config: argparse.ArgumentParser) -> None:
 
 
 def _config(args) -> int:
-    from exgrpo_async.config import config_diff, config_toml
+    from exgrpo_async.config_io import config_diff, config_toml
 
     if args.config_cmd == "show":
         print(config_toml(_load(args)), end="")
@@ -301,7 +301,7 @@ def _config(args) -> int:
 def _report(args) -> int:
     from pathlib import Path
 
-    from exgrpo_async.report import write_report
+    from exgrpo_async.report.write import write_report
 
     try:
         path = write_report(Path(args.run_dir), Path(args.out) if args.out else None)

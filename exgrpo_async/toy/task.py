@@ -302,7 +302,7 @@ RECIPE = (make_question, make_test_set, build_tokenizer, build_model, _sft_strea
 def recipe_key(seed: int, sft_steps: int) -> str:
     """The warm start's key: its seed and steps and the source of every function that makes the task,
     the model or the warm start (RECIPE). Any change to how the policy is made gives a fresh cache
-    folder, so a stale one is never reused, and the shipped policy stops matching (toy_shipped.py)."""
+    folder, so a stale one is never reused, and the shipped policy stops matching (toy/shipped.py)."""
     source = hashlib.sha256("".join(inspect.getsource(f) for f in RECIPE).encode()).hexdigest()
     blob = json.dumps({"v": 4, "seed": seed, "sft_steps": sft_steps, "kinds": TEST_KINDS + SFT_ONLY_KINDS,
                        "template": PROMPT_TEMPLATE, "held_out": [HELD_OUT_PER_KIND, FIRST_PASS],
@@ -318,7 +318,7 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
     an interrupted build is redone rather than half-reused. Processes that ask at once (two commands,
     the suite's parallel workers) take turns on a lock file; the later ones reuse the first's build.
     After the SFT the policy's held-out accuracy is measured and written to sft.json; outside
-    WARM_START_BAND it prints a warning (never fails). The recipe the package ships (toy_shipped.py:
+    WARM_START_BAND it prints a warning (never fails). The recipe the package ships (toy/shipped.py:
     the demo's seed and steps) is installed from its weights instead, in about a second.
     """
     root = Path(cache_dir).expanduser() / f"toy-{recipe_key(seed, sft_steps)}"
@@ -329,7 +329,7 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
     with open(root.parent / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
         if not (root / "done").exists():
-            from exgrpo_async import toy_shipped
+            from exgrpo_async.toy import shipped as toy_shipped
 
             if toy_shipped.matches(recipe_key(seed, sft_steps)):
                 write_task_files(paths, seed, train_questions)
