@@ -53,6 +53,7 @@ def train(cfg: RunConfig, resume_dir: str | None = None) -> int:
         try:
             spawn_run(run, cfg, gpu_plan, resume=resume_dir is not None)
             address = wait_for_learner(run, stop)
+            failed = address is None and not stop.requested  # the learner ended before it listened
             if address is not None:
                 failed = supervise(run, cfg, address, stop)
         finally:
@@ -202,12 +203,14 @@ def stop_on_signals() -> Iterator[StopRequest]:
 
 
 def wait_for_learner(run: LocalRun, stop: StopRequest) -> str | None:
-    """The learner's address once it listens (None if the run was stopped first); a learner that exits
-    before it listens is an error."""
+    """The learner's address once it listens; None if the run was stopped first or the learner exited
+    before it listened (logged in one line: the learner's own log says why)."""
     lead, address_file = run.ranks[0], run.run_dir / "learner.json"
     while not address_file.exists():
         if lead.poll() is not None:
-            raise RuntimeError(f"learner exited ({exit_description(lead.returncode)}) before it was ready")
+            log.error("the learner exited (%s) before it was ready; its log above says why",
+                      exit_description(lead.returncode))
+            return None
         if stop.requested:
             return None
         time.sleep(0.2)

@@ -311,3 +311,16 @@ def test_the_learner_command_fails_in_one_line_before_it_loads_anything(tmp_path
         f"exgrpo-async: data.train_files: {tmp_path}/nope.jsonl: no such file",
         "exgrpo-async: model.path=/nonexistent: no such folder (and not a hub id like org/name)",
         f"exgrpo-async: --run-dir {tmp_path}/run: exists and is not a folder"]
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_that_fails_after_the_checks_ends_train_with_one_line_of_its_own(tmp_path):
+    """A model folder with the right file names passes the checks, and the learner fails loading it: the
+    launcher says so in one line (no second traceback of its own) and exits 1, having started no actor."""
+    train = write_jsonl(tmp_path / "train.jsonl", [GOOD_ROW])
+    proc = run_cli(tmp_path, f"model.path={fake_model(tmp_path / 'model')}", f"data.train_files={json.dumps([str(train)])}",
+                   "actor.num_actors=0", "learner.device=cpu", "data.eval_file=none")
+    assert proc.returncode == 1, proc.stderr
+    assert "the learner exited (code 1) before it was ready; its log above says why" in proc.stderr
+    assert proc.stderr.count("Traceback") <= 1, proc.stderr  # the learner's own, never the launcher's
+    assert "exgrpo_async/launcher/train.py" not in proc.stderr
