@@ -4,8 +4,8 @@
 `score_answer` is the pure rule (ExGRPO's: answer after "</think>", then
 `verify(parse("$" + gold + "$"), parse(pred))`). `MathVerifier` runs it in a small spawn-based pool of
 worker processes, because math-verify's own timeouts are SIGALRM-based and only work in a process's
-main thread; run in a thread without them, one power tower froze the whole interpreter
-(docs: shared/docs/verifier.md, section 2). On top of those, the pool enforces a hard wall-clock deadline per
+main thread; run in a thread without them, one power tower (an answer like 9^9^9^9) froze the whole
+interpreter. On top of those, the pool enforces a hard wall-clock deadline per
 item by killing the worker; a timeout or a worker crash scores 0.
 
 A custom reward function runs in the same pool instead of math-verify: each worker imports it before it
