@@ -55,8 +55,9 @@ def check_version(version: str | None = None) -> str:
 def cap_kernels() -> bool:
     """On a machine asked to act as an AVX2-only CPU (precision.avx2_only: ops/avx2), make vLLM load its
     AVX2 kernels: it picks its build from torch's CPU-feature probes, which read the hardware and
-    ignore ATEN_CPU_CAPABILITY. Call before vLLM's kernels are imported; it holds for this process (the
-    batch engine, and the in-process engine core) only. Returns whether it capped them."""
+    ignore ATEN_CPU_CAPABILITY. Call before vLLM's kernels are imported; it holds for this process. The
+    actor calls it, and vLLM calls it in each of its own processes (engine core, tensor-parallel workers)
+    as a general plugin (pyproject.toml's `vllm.general_plugins`). Returns whether it capped them."""
     from exgrpo_async.precision import avx2_only
 
     if not avx2_only():
