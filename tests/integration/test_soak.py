@@ -1,6 +1,6 @@
 """The soak bench's CI version: 36 s of training from step 1 with an actor killed, one frozen (past the
 timeout: presumed dead, then rejoins), one added and removed, an event every 7 s from step 1 (events at
-7, 14, 21 and 28 s however long the start took; ops/bench/soak.py). The 60-minute figures are in
+7, 14, 21 and 28 s however long the start took; ops/bench/system/soak.py). The 60-minute figures are in
 docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_churn_keeps_the_books(small, tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "ops/bench/soak.py", "--minutes", "0.6", "--every", "7", "--sample", "2", "--warmup", "0.3",
+    proc = subprocess.run([sys.executable, "ops/bench/system/soak.py", "--minutes", "0.6", "--every", "7", "--sample", "2", "--warmup", "0.3",
                            "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""ops/bench/demo_seeds.py's figures: each seed's gain in points with its paired error, and the gains' mean
+"""ops/bench/learning/demo_seeds.py's figures: each seed's gain in points with its paired error, and the gains' mean
 and spread over seeds; `--report` prints the same table from the saved JSON."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 from tests.bench import load_bench
 
-demo_seeds = load_bench("demo_seeds")
+demo_seeds = load_bench("learning/demo_seeds")
 
 
 def _run(seed: int, gain: float, se: float) -> dict:

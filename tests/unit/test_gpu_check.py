@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -18,16 +20,13 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     # with the Inductor mode vLLM's CPU platform puts in a process's environment (learner/maths/compiled.py
     # `fixed_cpu_threads`): without that guard the compiled step corrupted the heap, 4 runs in 4
     env = {**os.environ, "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "ops" / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny",
+    proc = subprocess.run([sys.executable, str(REPO / "ops/bench/gpu/gpu_check.py"), "--device", "cpu", "--tiny",
                            "--steps", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=220,
                           cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 ignored" in proc.stderr
     res = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
-    sys.path.insert(0, str(REPO / "ops" / "bench"))
-    from gpu_check import SECTIONS
-
-    assert list(res) == SECTIONS
+    assert list(res) == load_bench("gpu/gpu_check").SECTIONS
     assert not [name for name, r in res.items() if "error" in r], {n: r.get("error") for n, r in res.items()}
     assert res["imports"]["all_ok"] is True
     for mix in ("4_equal", "mixed"):  # fp32 on CPU: packed rows score as each sequence alone
@@ -38,7 +37,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     steps = {k: v for k, v in res["step_1.5b"].items() if isinstance(v, dict)}
     assert len(steps) == 7 and all(v["tokens_per_s"] > 0 for v in steps.values())  # FSDP2 compiled without
     # checkpointing and sdpa only on request; no "_ww" variant on CPU (fp32 compute), nor FSDP2
-    # compiled under checkpointing (ops/bench/gpu_check_sections.py: an Inductor assertion on CPU)
+    # compiled under checkpointing (ops/bench/gpu/gpu_check_sections.py: an Inductor assertion on CPU)
     compiled = [k for k in steps if "_compiled_" in k]  # learner/maths/compiled.py
     assert len(compiled) == 4 and all(steps[k]["compiled_graphs"] > 0 for k in compiled)
     assert all(steps[k]["graphs_compiled_while_timed"] == 0 for k in compiled)  # warmed up until nothing new compiles
@@ -56,3 +55,23 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     load = res["load"]  # the learner ranks' load from rank 0 gives the checkpoint exactly, ties kept
     assert (load["tensors_differing"], load["on_device"], load["tied_kept"]) == (0, True, True) and load["tensors"] > 0
     assert res["sync"]["receive_hazard"] == "skipped: needs CUDA streams" and "skipped" in res["stall"]
+
+
+def test_every_section_has_its_function():
+    """gpu_check.py runs a section by its name in SECTIONS (dots and dashes dropped) from gpu_check_sections.py."""
+    sections = load_bench("gpu/gpu_check_sections")
+    missing = [s for s in load_bench("gpu/gpu_check").SECTIONS if not callable(getattr(sections, s.replace(".", "")
+                                                                                             .replace("-", "_"), None))]
+    assert not missing
+
+
+def test_sync_section_plans_every_shipped_config():
+    """gpu_sync_check.py's placement part (the sync section's first figure), on a machine without GPUs: each
+    shipped config on 0 GPUs and on the 8 it was written for, a plan's table, a CPU run, or a refusal."""
+    got = load_bench("gpu/gpu_sync_check").planner_results(0)
+    configs = sorted(p.name for p in (REPO / "configs").glob("*.toml"))
+    assert sorted(got) == sorted(f"{c} on {n}" for c in configs for n in (0, 8))
+    assert got["cpu-demo.toml on 0"] == "CPU run"
+    for c in configs:
+        if "8gpu" in c:  # written for 8 GPUs: planned there, a table of its processes
+            assert not got[f"{c} on 8"].startswith(("refused", "CPU run")) and "GPU" in got[f"{c} on 8"], got

@@ -1,20 +1,18 @@
-"""ops/bench/gpu_gaps.py: the device's idle time charged to what launched the next kernel (a synthetic
+"""ops/bench/gpu/gpu_gaps.py: the device's idle time charged to what launched the next kernel (a synthetic
 trace, on CPU), and, on a GPU, the learner's step synchronising with its host only where it must."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
-import gpu_gaps  # noqa: E402
+from exgrpo_async.config import RunConfig
+from exgrpo_async.toy.task import build_model
+from learner.maths import attention
+from learner.maths.update import Seq, StepSettings, update_policy
+from tests.bench import load_bench
 
-from exgrpo_async.config import RunConfig  # noqa: E402
-from exgrpo_async.toy.task import build_model  # noqa: E402
-from learner.maths import attention  # noqa: E402
-from learner.maths.update import Seq, StepSettings, update_policy  # noqa: E402
+gpu_gaps = load_bench("gpu/gpu_gaps")
 
 
 def _x(cat, name, ts, dur, tid=1, corr=None):

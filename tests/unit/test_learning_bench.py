@@ -1,16 +1,13 @@
-"""ops/bench/learning.py's pure parts: the larger held-out set's draw, its arms' overrides, the per-seed table."""
+"""ops/bench/learning/learning.py's pure parts: the larger held-out set's draw, its arms' overrides, the per-seed table."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
-import learning  # noqa: E402
+from exgrpo_async.toy.task import TEST_KINDS
+from tests.bench import load_bench
 
-from exgrpo_async.toy.task import TEST_KINDS  # noqa: E402
+learning = load_bench("learning/learning")
 
 
 def test_heldout_draw_is_fixed_distinct_and_apart_from_the_pool():

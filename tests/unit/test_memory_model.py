@@ -15,10 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow  # a real step at the 0.5B shape in a fresh process: 30-50 s on 2 busy cores
 @pytest.mark.parametrize("path,tokens", [("new", 1024)])
 def test_memory_model_predicts_a_measured_step(path, tokens):
-    """One real step at the Qwen2.5-0.5B shape (1 layer), in a fresh process (ops/bench/learner_memory.py),
+    """One real step at the Qwen2.5-0.5B shape (1 layer), in a fresh process (ops/bench/system/learner_memory.py),
     on the path the learner uses; the old full-logits path and more lengths and layers are measured against
-    the model by the benchmark itself (`ops/bench/learner_memory.py`, docs/memory.md)."""
-    proc = subprocess.run([sys.executable, str(REPO / "ops/bench/learner_memory.py"), "--child", path, str(tokens),
+    the model by the benchmark itself (`ops/bench/system/learner_memory.py`, docs/memory.md)."""
+    proc = subprocess.run([sys.executable, str(REPO / "ops/bench/system/learner_memory.py"), "--child", path, str(tokens),
                            "--layers", "1", "--threads", "2"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])["step_peak_bytes"]

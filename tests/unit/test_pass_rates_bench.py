@@ -1,11 +1,8 @@
-"""ops/bench/pass_rates.py: the carry level it sorts toy questions by (the difficulty a graded pool would vary)."""
+"""ops/bench/learning/pass_rates.py: the carry level it sorts toy questions by (the difficulty a graded pool would vary)."""
 
-import sys
-from pathlib import Path
+from tests.bench import load_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
-
-from pass_rates import carry_level  # noqa: E402
+carry_level = load_bench("learning/pass_rates").carry_level
 
 
 def test_carry_levels_count_the_worked_solutions_carries():

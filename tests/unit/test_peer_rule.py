@@ -1,6 +1,6 @@
-"""ops/bench/peer.py's two readings of "as accurate as TRL, in how much of its time": the first-crossing
+"""ops/bench/learning/peer.py's two readings of "as accurate as TRL, in how much of its time": the first-crossing
 rule and the equal-steps figures. Synthetic runs: the crossing rule flips on a gap far below the
-seeds' spread; the equal-steps figures do not. And ops/bench/balance.py's split of a step into the
+seeds' spread; the equal-steps figures do not. And ops/bench/system/balance.py's split of a step into the
 learner's work and the rest, which predicts the learner's idle share on full shared cores."""
 
 import pytest
@@ -10,7 +10,7 @@ from tests.bench import load_bench
 
 @pytest.fixture(scope="module")
 def peer():
-    return load_bench("peer")
+    return load_bench("learning/peer")
 
 
 def runs(points: list[list[tuple[int, float, float]]]) -> list[list[dict]]:
@@ -37,7 +37,7 @@ def test_equal_steps_needs_a_checkpoint_at_trls_step(peer):
 
 
 def test_balance_split_predicts_the_learners_idle_share_from_the_two_sides_work():
-    balance = load_bench("balance")
+    balance = load_bench("system/balance")
     start = [{"step_seconds": 9.0, "wait_seconds": 9.0, "cores_busy_frac": 0.1}] * 5  # left out
     rows = start + [{"step_seconds": 1.0, "wait_seconds": 0.2, "cores_busy_frac": 1.0},
                     {"step_seconds": 1.0, "wait_seconds": 0.2, "cores_busy_frac": 1.0}]
@@ -50,7 +50,7 @@ def test_balance_split_predicts_the_learners_idle_share_from_the_two_sides_work(
 
 
 def test_balance_reads_the_rollouts_age_after_start_up():
-    balance = load_bench("balance")
+    balance = load_bench("system/balance")
     rows = [{"staleness_mean": 9.0, "is_weight_max": 9.0}] * 5 + [
         {"staleness_mean": 1.0, "is_weight_max": 1.2}, {"staleness_mean": 2.0, "is_weight_max": 1.6},
         {"staleness_mean": 1.5, "is_weight_max": 3.0}]

@@ -1,4 +1,4 @@
-"""ops/bench/pipeline.py's overlap bound: no run of an invocation can pass it, and one that does (a broken
+"""ops/bench/system/pipeline.py's overlap bound: no run of an invocation can pass it, and one that does (a broken
 measurement) is reported as INVALID with exit status 3, not as a target met. Synthetic metrics rows."""
 
 import json
@@ -12,7 +12,7 @@ from tests.bench import load_bench
 
 @pytest.fixture(scope="module")
 def pipeline():
-    return load_bench("pipeline")
+    return load_bench("system/pipeline")
 
 
 def _row(rng: random.Random, gen_fast: float, train_fast: float, overhead: float, sync: bool) -> dict:

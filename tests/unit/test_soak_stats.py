@@ -1,4 +1,4 @@
-"""ops/bench/soak.py's memory figures: a leak raises every window's peak; an RSS that swings between a
+"""ops/bench/system/soak.py's memory figures: a leak raises every window's peak; an RSS that swings between a
 floor and a fixed ceiling does not, however its samples fall. Synthetic samples."""
 
 import pytest
@@ -8,7 +8,7 @@ from tests.bench import load_bench
 
 @pytest.fixture(scope="module")
 def soak():
-    return load_bench("soak")
+    return load_bench("system/soak")
 
 
 def _samples(mb_at) -> list[dict]:

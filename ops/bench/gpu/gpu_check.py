@@ -23,20 +23,20 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                step (the same batch) against the eager one's ("match_vs_eager")
  8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
                calls by line and the device's idle time by what launched the kernel after it
-               (ops/bench/gpu_gaps.py; the traces gzipped beside the JSON), and the layers compiled
+               (ops/bench/gpu/gpu_gaps.py; the traces gzipped beside the JSON), and the layers compiled
                under checkpointing (its error, if any: new on a GPU). Variants measured
                before that no config runs go only when `--variants` names them (ON_REQUEST in the sections)
  9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
 10. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on
                this rank's NCCL group, against the model read onto the GPU whole: exact, seconds, peaks
-11. sync       ops/bench/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
+11. sync       ops/bench/gpu/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
                receive-buffer hazard (a loader keeping a view past the next bucket) on CUDA streams
 12. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
                host, and whether weight sync's deadline frees it (last: it may leave a thread stuck)
 
     ops/gpu-check --out OUT                      # on the GPU machine (PYTHONUNBUFFERED, wheels, this file)
-    .venv/bin/python ops/bench/gpu_check.py --device cpu --tiny --out bench_out/gpu_check_cpu   # rehearsal
+    .venv/bin/python ops/bench/gpu/gpu_check.py --device cpu --tiny --out bench_out/gpu_check_cpu   # rehearsal
 """
 
 from __future__ import annotations
@@ -50,10 +50,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).parent))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402  (the repository importable: on a bare GPU machine nothing is installed)
 import gpu_check_sections as sec  # noqa: E402
 
 SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "load",
@@ -64,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="toy shapes: the CPU rehearsal of every section")
-    ap.add_argument("--out", default="bench_out/gpu_check", help="folder for gpu_check.json")
+    bench.add_out(ap, "gpu_check", help="folder for gpu_check.json")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in this file's order")
     ap.add_argument("--steps", type=int, default=2, help="timed learner steps per variant (after one warm-up)")
     ap.add_argument("--variants", default=None,
@@ -80,8 +78,8 @@ def main() -> None:
 
     def on_partial(name: str, figures: dict) -> None:
         partial[name] = dict(figures)
-        path.write_text(json.dumps(dict(results, sections={**results["sections"], name: dict(figures, partial=True)}),
-                                   indent=1, default=str))
+        bench.write_json(path, dict(results, sections={**results["sections"], name: dict(figures, partial=True)}),
+                         indent=1, default=str, say=False)
 
     ctx.on_partial = on_partial
     ctx.out = out
@@ -99,12 +97,11 @@ def main() -> None:
         for k, v in res.items():
             if k != "error":
                 print(f"  {k:34s} {json.dumps(v, default=str)[:300]}", flush=True)
-        path.write_text(json.dumps(results, indent=1, default=str))
+        bench.write_json(path, results, indent=1, default=str, say=False)
         ctx.free()
         gc.collect()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    path.write_text(json.dumps(results, indent=1, default=str))
-    print(f"wrote {path}", flush=True)
+    bench.write_json(path, results, indent=1, default=str)
     sys.stdout.flush()
     os._exit(0)  # a stalled NCCL communicator (section stall) must not hold the interpreter's exit
 

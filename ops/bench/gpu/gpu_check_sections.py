@@ -1,4 +1,4 @@
-"""The sections of ops/bench/gpu_check.py, one function each: `section(ctx) -> dict` of figures.
+"""The sections of ops/bench/gpu/gpu_check.py, one function each: `section(ctx) -> dict` of figures.
 
 Each builds what it needs (random-weight models from learner/maths/memory_model.py's shapes; no hub) and
 leaves nothing behind but what `Context.keep` holds for a later section. `ctx.tiny` swaps in toy
@@ -13,14 +13,18 @@ import importlib
 import inspect
 import random
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import gpu_gaps
 import torch
-from gpu_sync_check import REPO
 
 from learner.maths.memory_model import QWEN25_7B, QWEN25_15B, Shape, qwen2_config, rank_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+from bench import REPO  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 TINY_15B = Shape("tiny (1.5B stand-in)", 64, 160, 2, 4, 2, 512, True)
@@ -589,7 +593,7 @@ def _category(kernel: str) -> str:
 def profile(ctx: Context) -> dict:
     """Where the 1.5B step's GPU time goes (varlen attention, fused AdamW, one rank as the 1.5B config
     trains): kernel time by category over one step, eager and compiled, with the step's synchronising calls
-    and the device's idle time (ops/bench/gpu_gaps.py); the step compiled without gradient checkpointing;
+    and the device's idle time (ops/bench/gpu/gpu_gaps.py); the step compiled without gradient checkpointing;
     on request (ON_REQUEST) the head's chunk at 512 positions, eager without checkpointing and the head
     alone compiled; and last the layers compiled under checkpointing, the checkpoint inside each layer's
     graph (learner/maths/compiled.py; new on a GPU: its time and kernels, or the step's error if it meets one)."""

@@ -1,6 +1,6 @@
 """Where a GPU step waits on its host: the synchronising calls and the idle time between kernels.
 
-Two views of one learner step, for the GPU check's profile section (ops/bench/gpu_check_sections.py):
+Two views of one learner step, for the GPU check's profile section (ops/bench/gpu/gpu_check_sections.py):
 - `sync_sites(fn)`: run `fn` under torch's CUDA sync debug mode and count every synchronising call by
   the innermost line of this repository's code that made it (a sync lets the device run dry while the
   host catches up);
@@ -16,6 +16,7 @@ import bisect
 import gzip
 import json
 import os
+import sys
 import tempfile
 import traceback
 import warnings
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+from bench import REPO  # noqa: E402
+
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpy")

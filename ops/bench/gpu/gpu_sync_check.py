@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+from bench import REPO  # noqa: E402
 
 
 def planner_results(gpus: int) -> dict[str, str]:

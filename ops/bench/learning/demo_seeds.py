@@ -3,9 +3,9 @@ training questions' order both S (`learner.seed=S data.shuffle_seed=S`; the ship
 run's held-out gain with the standard error of that paired difference (summary.json's `gain`), its
 whole wall time, and the mean and spread of the gains over the seeds.
 
-    .venv/bin/python ops/bench/demo_seeds.py --seeds 0,1,2,3,4 [--out bench_out] [extra dotted overrides...]
-    ops/avx2 .venv/bin/python ops/bench/demo_seeds.py --seeds 0 --tag avx2     # as an AVX2-only CPU runs it
-    .venv/bin/python ops/bench/demo_seeds.py --report bench_out/demo-seeds.json [more.json ...]
+    .venv/bin/python ops/bench/learning/demo_seeds.py --seeds 0,1,2,3,4 [--out bench_out] [extra dotted overrides...]
+    ops/avx2 .venv/bin/python ops/bench/learning/demo_seeds.py --seeds 0 --tag avx2     # as an AVX2-only CPU runs it
+    .venv/bin/python ops/bench/learning/demo_seeds.py --report bench_out/demo-seeds.json [more.json ...]
 
 Writes `--out/demo-seeds[-TAG].json` (each run's summary figures and the CPU's model name and flags) and
 prints a table; `--report` prints the table of saved files again.
@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
 
 
 def cpu() -> dict:
@@ -73,7 +75,7 @@ def table(runs: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (default 0, the shipped one)")
-    ap.add_argument("--out", default="bench_out", help="folder for the runs and the JSON")
+    bench.add_out(ap, "", help="folder for the runs and the JSON")
     ap.add_argument("--tag", default="", help="suffix of the JSON's name (e.g. the CPU class)")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved files instead")
     args, extra = ap.parse_known_args(argv)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"cpu": cpu(), "overrides": extra, "runs": []}
     for seed in (int(s) for s in args.seeds.split(",")):
         result["runs"].append(run_seed(seed, out / (args.tag or "demo-seeds"), extra))
-        path.write_text(json.dumps(result, indent=2))  # after each seed: a stopped bench keeps what it ran
+        bench.write_json(path, result, say=False)  # after each seed: a stopped bench keeps what it ran
         print("\n".join(table(result["runs"])[-1:]), flush=True)
     print(f"CPU: {result['cpu']['model']}; {' '.join(result['cpu']['flags'])}; caps {result['cpu']['caps']}")
     print("\n".join(table(result["runs"])))

@@ -25,12 +25,12 @@ learner's compute per step (update + ExGRPO's selection pass, median over steps)
 first arm's. Writes
 `--out/learning-<scenario>.json` and a plot `.png` (mean line and min..max band per arm).
 
-    .venv/bin/python ops/bench/learning.py --scenario demo --arms grpo,exgrpo --seeds 0,1,2 \
+    .venv/bin/python ops/bench/learning/learning.py --scenario demo --arms grpo,exgrpo --seeds 0,1,2 \
         [--tokens 600000] [--eval-every 150000] [--heldout-per-kind 0] [--out bench_out] [extra dotted overrides...]
-    .venv/bin/python ops/bench/learning.py --report bench_out/learning-demo.json [more.json ...]
+    .venv/bin/python ops/bench/learning/learning.py --report bench_out/learning-demo.json [more.json ...]
         # table and plot again; several files (same --tokens and --eval-every) are merged, the first
         # file's first arm the baseline
-    .venv/bin/python ops/bench/learning.py --report A.json B.json --by-seed --arms grpo,...
+    .venv/bin/python ops/bench/learning/learning.py --report A.json B.json --by-seed --arms grpo,...
         # one row per seed over those arms' runs: start, final and gain (the question order's share)
 """
 
@@ -47,9 +47,11 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from exgrpo_async.report import plots  # noqa: E402
+from exgrpo_async.report import plots
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
 
 # every arm shares the loss terms and schedule of the demo; only what the arm names differs
 ARMS: dict[str, list[str]] = {
@@ -333,7 +335,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--tokens", type=int, default=600_000)
     ap.add_argument("--eval-every", type=int, default=150_000)
-    ap.add_argument("--out", default="bench_out")
+    bench.add_out(ap, "", help="folder for the runs, the JSON and the plot")
     ap.add_argument("--heldout-per-kind", type=int, default=0,
                     help="score a held-out set of this many questions per kind, disjoint from the training pool "
                          "(default 0: the toy test set, 40 per kind)")
@@ -381,10 +383,10 @@ def main() -> int:
                   f"{r['points'][-1][2]:.3f}", flush=True)
             doc = {"scenario": args.scenario, "overrides": SCENARIOS[args.scenario] + extra, "tokens": args.tokens,
                    "eval_every": args.eval_every, "arms": {a: ARMS[a] for a in arms}, "runs": runs}
-            path.write_text(json.dumps(doc, indent=1))
+            bench.write_json(path, doc, indent=1, say=False)  # after each run: a stopped bench keeps what it ran
     res = analyse(runs, args.tokens, args.eval_every)
     doc["result"] = {k: v for k, v in res.items()}
-    path.write_text(json.dumps(doc, indent=1))
+    bench.write_json(path, doc, indent=1, say=False)
     print(table(res))
     print(health_table(res))
     plot(res, path.with_suffix(".png"), f"scenario {args.scenario}")

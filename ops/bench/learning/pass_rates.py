@@ -6,7 +6,7 @@ sampling distribution: T=1, no top-k/top-p): the histogram of per-question pass 
 kind, and per "carry level" within each kind (column carries or borrows the worked solution makes: the
 difficulty a graded pool would vary). Writes a table to stdout and JSON to `--out`.
 
-    .venv/bin/python ops/bench/pass_rates.py --per-kind 80 --samples 8 --out bench_out/pass_rates.json \
+    .venv/bin/python ops/bench/learning/pass_rates.py --per-kind 80 --samples 8 --out bench_out/pass_rates.json \
         [--model RUN/final ...]      # trained policies beside the warm start, on the same questions
 """
 
@@ -21,10 +21,10 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from exgrpo_async.toy import task as toy
 
-from exgrpo_async.toy import task as toy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
 
 
 def carry_level(kind: str, problem: str) -> int:
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", action="append", default=[],
                     help="a policy folder to measure too (a run's final/, say); repeatable; the warm start always")
-    ap.add_argument("--out", default="bench_out/pass_rates.json")
+    bench.add_out(ap, "pass_rates.json")
     a = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -100,9 +100,7 @@ def main() -> None:
     for name in [str(paths["model"])] + a.model:
         print(f"\n{name}")
         results[name] = _measure(AutoModelForCausalLM.from_pretrained(name), tokenizer, rows, K, a.seed)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"samples": K, "per_kind": a.per_kind, "policies": results}, indent=1))
-    print(f"wrote {a.out}")
+    bench.write_json(a.out, {"samples": K, "per_kind": a.per_kind, "policies": results}, indent=1)
 
 
 def _measure(model, tokenizer, rows: list[dict], K: int, seed: int) -> dict:

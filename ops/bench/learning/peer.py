@@ -24,11 +24,11 @@ accuracy (the first checkpoint whose median reaches TRL's median final avg@8) ov
 TRL's final step, our time over TRL's and our avg@8 minus TRL's seed by seed (no threshold to flip on
 a shared plateau); writes OUT/peer.json.
 
-    .venv/bin/python ops/bench/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
+    .venv/bin/python ops/bench/learning/peer.py [--seeds 0,1,2] [--steps 200] [--every 25] [--out bench_out/peer]
         [--peer-py bench_out/peer-venv/bin/python] [--harness ../shared/tools/peer/trl_toy.py] [overrides...]
-    .venv/bin/python ops/bench/peer.py --systems ours,exgrpo --out bench_out/peer-exgrpo
+    .venv/bin/python ops/bench/learning/peer.py --systems ours,exgrpo --out bench_out/peer-exgrpo
         # the demo (plain GRPO) against the demo with exgrpo.enabled=true, seeds interleaved
-    .venv/bin/python ops/bench/peer.py --systems trl --trl-seconds 160 --reuse bench_out/peer/peer.json \
+    .venv/bin/python ops/bench/learning/peer.py --systems trl --trl-seconds 160 --reuse bench_out/peer/peer.json \
         --out bench_out/peer-trl160   # TRL on a wall-clock budget against the same runs of ours
 """
 
@@ -43,7 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
+
 HARNESS_SFT_KEY = 150.0  # the harness names the warm start by recipe_key(seed, --sft-seconds), default 150.0
 
 
@@ -182,8 +185,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25, help="our checkpoint (and evaluation) interval, steps")
     ap.add_argument("--systems", default="ours,trl")
     ap.add_argument("--trl", choices=["hf", "vllm"], default="hf", help="TRL's generation: transformers or vLLM")
-    ap.add_argument("--out", default="bench_out/peer")
-    ap.add_argument("--peer-py", default="bench_out/peer-venv/bin/python")
+    bench.add_out(ap, "peer", help="folder for the runs and peer.json")
+    ap.add_argument("--peer-py", default=str(bench.OUT / "peer-venv/bin/python"))
     ap.add_argument("--harness", default=str(REPO.parent / "shared/tools/peer/trl_toy.py"))
     ap.add_argument("--src-cache", default="~/.cache/exgrpo_async")
     ap.add_argument("--trl-seconds", type=float, default=None,
@@ -216,8 +219,8 @@ def main() -> None:
     eq = {name: at_equal_steps(res, name) for name in ARMS if name in res}
     print("time to TRL's final accuracy:", json.dumps(tt))
     print("at TRL's final step, seed by seed:", json.dumps(eq))
-    (out / "peer.json").write_text(json.dumps({"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
-                                               "time_to_trl": tt, "at_equal_steps": eq}, indent=1))
+    bench.write_json(out / "peer.json", {"seeds": seeds, "steps": a.steps, "overrides": extra, "runs": res,
+                                         "time_to_trl": tt, "at_equal_steps": eq}, indent=1)
 
 
 if __name__ == "__main__":

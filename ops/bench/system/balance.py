@@ -8,7 +8,7 @@ cores are full. This prints, per run: T, L, G, G / L, that predicted share and t
 the mean staleness (versions) and the median over steps of the step's largest importance weight.
 Reads finished runs; runs nothing.
 
-    .venv/bin/python ops/bench/balance.py bench_out/peer-expiring/ours-s*/run-* [--cores 2] [--out F.json]
+    .venv/bin/python ops/bench/system/balance.py bench_out/peer-expiring/ours-s*/run-* [--cores 2] [--out F.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
 
 
 def work_split(rows: list[dict], cores: int, skip: int = 5) -> dict:
@@ -56,7 +60,7 @@ def main() -> None:
               f"{r['rest_over_learner']:.2f} | {r['cores_busy']:.0%} | {r['idle_predicted']:.1%} | "
               f"{r['idle_measured']:.1%} | {r['staleness_mean']:.2f} | {r['is_weight_max_median']:.2f} |")
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        bench.write_json(a.out, res, indent=1)
 
 
 if __name__ == "__main__":

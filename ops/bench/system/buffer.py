@@ -10,7 +10,10 @@ and (from a finished run's metrics.jsonl) trajectory-selection time as a share o
 - selection share: mean `selection_seconds` / mean `step_seconds` over the mixed steps of a run
   (target <= 10% at the CPU demo's settings), when `--metrics RUN_DIR/metrics.jsonl` is given.
 
-    .venv/bin/python ops/bench/buffer.py [--metrics runs/demo/run-*/metrics.jsonl] [--out bench_out/buffer.json]
+    .venv/bin/python ops/bench/system/buffer.py [--metrics runs/demo/run-*/metrics.jsonl] [--out bench_out/buffer.json]
+
+(`--sizes` and `--bytes-trajectories` make it smaller: tests/unit/test_bench_system.py's tiny run; the targets
+then speak of the largest size given.)
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from learner.maths.buffer import ExperienceBuffer, Trajectory  # noqa: E402
+from learner.maths.buffer import ExperienceBuffer, Trajectory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
 
 PER_QUESTION = 4
 
@@ -75,32 +79,32 @@ def selection_share(metrics: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "bench_out" / "buffer.json"))
+    bench.add_out(ap, "buffer.json")
     ap.add_argument("--metrics", help="a run's metrics.jsonl, for the selection share")
+    ap.add_argument("--sizes", default="1000,10000,100000,1000000", help="stored trajectories, comma-separated")
+    ap.add_argument("--bytes-trajectories", type=int, default=2000, help="1000-token trajectories for bytes/token")
     args = ap.parse_args()
     rows = []
     print(f"{'trajectories':>12} {'questions':>9} {'insert us/traj':>14} {'sample 64 ms':>12}")
-    for n in (10**3, 10**4, 10**5, 10**6):
+    for n in (int(x) for x in args.sizes.split(",")):
         buf, ins = fill(n, 16)
         smp = sample_ms(buf)
         rows.append({"trajectories": buf.num_trajectories, "questions": buf.num_questions, "insert_us": ins,
                      "sample_ms": smp})
         print(f"{buf.num_trajectories:>12} {buf.num_questions:>9} {ins:>14.2f} {smp:>12.4f}")
         del buf
-    bpt = bytes_per_token()
+    bpt = bytes_per_token(args.bytes_trajectories)
     print(f"bytes per stored token (1000-token trajectories): {bpt:.2f}")
-    ok_sample, ok_bytes = rows[-1]["sample_ms"] <= 1.0, bpt <= 10.0
-    print(f"target sample(64) <= 1 ms at 10^6: {rows[-1]['sample_ms']:.4f} ms -> {'PASS' if ok_sample else 'FAIL'}")
-    print(f"target <= 10 bytes/token: {bpt:.2f} -> {'PASS' if ok_bytes else 'FAIL'}")
+    ok_sample = bench.target(f"target sample(64) <= 1 ms at {rows[-1]['trajectories']:.0e}: "
+                             f"{rows[-1]['sample_ms']:.4f} ms", rows[-1]["sample_ms"] <= 1.0)
+    ok_bytes = bench.target(f"target <= 10 bytes/token: {bpt:.2f}", bpt <= 10.0)
     result = {"rows": rows, "bytes_per_token": bpt, "sample_pass": ok_sample, "bytes_pass": ok_bytes}
     if args.metrics:
         share = selection_share(Path(args.metrics))
         result["selection"] = share
-        print(f"selection {share['selection_s'] * 1e3:.1f} ms of a {share['step_s']:.2f} s step over {share['steps']} "
-              f"mixed steps = {share['share']:.1%} -> {'PASS' if share['share'] <= 0.10 else 'FAIL'} (target <= 10%)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+        bench.target(f"selection {share['selection_s'] * 1e3:.1f} ms of a {share['step_s']:.2f} s step over "
+                     f"{share['steps']} mixed steps = {share['share']:.1%} (target <= 10%)", share["share"] <= 0.10)
+    bench.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ then the peak resident memory is reset (/proc/self/clear_refs) and one step at T
 excluded: they do not depend on T; the step's gradients are included). The memory model's prediction
 of the same quantity sits beside each measurement.
 
-    .venv/bin/python ops/bench/learner_memory.py [--tokens 1024,2048,4096] [--layers 4] [--out bench_out]
+    .venv/bin/python ops/bench/system/learner_memory.py [--tokens 1024,2048,4096] [--layers 4] [--out bench_out]
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from learner.maths.memory_model import QWEN25_05B, qwen2_config, step_peak_bytes
 
-from learner.maths.memory_model import QWEN25_05B, qwen2_config, step_peak_bytes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
 
 
 def _rss(field: str) -> int:
@@ -86,7 +87,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="old,new")
-    ap.add_argument("--out", default="bench_out")
+    bench.add_out(ap, "", help="folder for learner_memory.json")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -115,10 +116,8 @@ def main() -> None:
             o, n = by[("old", t)], by[("new", t)]
             print(f"{t} tokens: old/new step peak {o['step_peak_bytes'] / n['step_peak_bytes']:.1f}x, "
                   f"new/old tokens/s {n['tokens_per_s'] / o['tokens_per_s']:.2f}x")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learner_memory.json").write_text(json.dumps({"layers": a.layers, "threads": a.threads, "rows": rows}, indent=1))
-    print(f"wrote {out / 'learner_memory.json'}")
+    bench.write_json(Path(a.out) / "learner_memory.json", {"layers": a.layers, "threads": a.threads, "rows": rows},
+                     indent=1)
 
 
 if __name__ == "__main__":

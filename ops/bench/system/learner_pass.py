@@ -8,15 +8,15 @@ micro-batches in arrival order or cut shortest first (learner/maths/update.py `c
 bf16 autocast, and the micro-batches `learner.overlap_arrival` cuts as groups arrive (arrival order,
 5 forwarded sequences a group). Medians over --reps passes.
 
-    taskset -c 1 .venv/bin/python ops/bench/learner_pass.py [--seqs 160] [--reps 5] [--out bench_out/learner_pass.json]
+    taskset -c 1 .venv/bin/python ops/bench/system/learner_pass.py [--seqs 160] [--reps 5] [--out bench_out/learner_pass.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +25,9 @@ import torch
 from exgrpo_async.toy.task import build_model
 from learner.maths.grpo import token_logprobs
 from learner.maths.packing import layout, micro_batches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
 
 
 def sequences(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -65,7 +68,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=160, help="forwarded sequences of one step")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench_out/learner_pass.json")
+    bench.add_out(ap, "learner_pass.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -99,8 +102,7 @@ def main() -> None:
         rows.append({"layout": name, "seconds": statistics.median(times), "tokens": padded})
         print(f"{name:54s} {rows[-1]['seconds']:8.3f} {padded:10d} {rows[-1]['seconds'] / rows[0]['seconds']:9.0%}",
               flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"args": vars(a), "real_tokens": real, "rows": rows}, indent=1))
+    bench.write_json(a.out, {"args": vars(a), "real_tokens": real, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 - scrape: one HTTP GET of each endpoint's /metrics (bytes, milliseconds, median of 50), with 8
   buckets populated, as Prometheus does every scrape_interval.
 
-    .venv/bin/python ops/bench/metrics.py [--metrics runs/demo/run-*/metrics.jsonl] [--out bench_out/metrics.json]
+    .venv/bin/python ops/bench/system/metrics.py [--metrics runs/demo/run-*/metrics.jsonl] [--out bench_out/metrics.json]
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from actors.metrics import ActorMetrics  # noqa: E402
-from exgrpo_async.rollout import Completion, RolloutGroup  # noqa: E402
-from learner.metrics import LearnerMetrics  # noqa: E402
+from actors.metrics import ActorMetrics
+from exgrpo_async.rollout import Completion, RolloutGroup
+from learner.metrics import LearnerMetrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
 
 K = 8
 ROW = {  # a CPU-demo ExGRPO row (B=32 groups of K=8)
@@ -66,7 +67,7 @@ def scrape(port: int, n: int = 50) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "bench_out" / "metrics.json"))
+    bench.add_out(ap, "metrics.json")
     ap.add_argument("--metrics", help="a run's metrics.jsonl: compare with its mean step time and rollouts/s")
     args = ap.parse_args()
     step_s, group_s = ROW["step_seconds"], K / ROW["rollouts_per_s"]
@@ -100,8 +101,7 @@ def main() -> None:
     print(f"{'actor observe per group (K=8)':34s}{group_us:>10.0f}us{group_s * 1e3:>13.1f} ms{result['actor_share']:>10.2e}")
     print(f"{'learner scrape':34s}{learner_scrape[1]:>10.2f}ms{learner_scrape[0]:>12d} B")
     print(f"{'actor scrape':34s}{actor_scrape[1]:>10.2f}ms{actor_scrape[0]:>12d} B")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    bench.write_json(args.out, result)
 
 
 if __name__ == "__main__":

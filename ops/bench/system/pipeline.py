@@ -55,7 +55,7 @@ reached 102-142% of it: it was not a bound.)
 `--rounds N` runs the etas in turn N times and reports each figure's median, plus eta=1 against its
 bound round by round: this VM's speed drifts between runs.
 
-    .venv/bin/python ops/bench/pipeline.py [--steps 30] [--etas 0,1,2,4] [--engine batch|stream] [--rounds 1]
+    .venv/bin/python ops/bench/system/pipeline.py [--steps 30] [--etas 0,1,2,4] [--engine batch|stream] [--rounds 1]
         [--out bench_out/pipeline.json] [extra dotted overrides...]
 """
 
@@ -71,7 +71,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
+
 TARGET = 0.9
 INVALID_EXIT = 3  # a ratio above 100% of the bound: a measurement is wrong, no figure of the run holds
 ROUNDING = 1e-9  # a run whose actors never idled sits at exactly 100%: float rounding is not a violation
@@ -195,7 +198,7 @@ def main() -> int:
     ap.add_argument("--engine", default="batch", choices=["batch", "stream"])
     ap.add_argument("--actors", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="run the etas in turn this many times; report medians")
-    ap.add_argument("--out", default=str(REPO / "bench_out" / "pipeline.json"))
+    bench.add_out(ap, "pipeline.json")
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
     args = ap.parse_args()
     etas = [int(x) for x in args.etas.split(",")]
@@ -237,18 +240,16 @@ def main() -> int:
     ok = not violated and 1 in results and results[1]["of_bound"] >= TARGET
     if violated:
         msg = (f"BOUND VIOLATED: a run reached {100 * max(ratios):.1f}% of a bound it cannot pass "
-               "(ops/bench/pipeline.py's docstring): a measurement is wrong (an actor's busy counter, a step "
+               "(ops/bench/system/pipeline.py's docstring): a measurement is wrong (an actor's busy counter, a step "
                "clock); no figure of this invocation holds")
         print("\n" + "!" * 100 + f"\n{msg}\n" + "!" * 100, file=sys.stderr)
         print(f"target: eta=1 >= {TARGET:.0%} of the bound: INVALID (the bound was exceeded)")
     else:
         print(f"target: eta=1 >= {TARGET:.0%} of the bound: {'met' if ok else 'NOT met'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"engine": args.engine, "actors": args.actors, "steps": args.steps, "skip": args.skip,
-                               "rounds": args.rounds, "pure": pure, "sync_overhead_seconds": sync_overhead,
-                               "results": results, "per_round": rounds, "target_of_bound": TARGET,
-                               "bound_violated": violated, "pass": ok}, indent=2))
+    bench.write_json(args.out, {"engine": args.engine, "actors": args.actors, "steps": args.steps, "skip": args.skip,
+                                "rounds": args.rounds, "pure": pure, "sync_overhead_seconds": sync_overhead,
+                                "results": results, "per_round": rounds, "target_of_bound": TARGET,
+                                "bound_violated": violated, "pass": ok}, say=False)
     return INVALID_EXIT if violated else 0
 
 

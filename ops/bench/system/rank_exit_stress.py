@@ -20,14 +20,13 @@ and exit through `learner.ranks.end_rank_process`); any exit but 0 counts. "plai
 ends them through the interpreter's finalization instead, which shows the abort `end_rank_process` avoids
 (learner/ranks.py explains it).
 
-    .venv/bin/python ops/bench/rank_exit_stress.py --rounds 30 [--out bench_out/rank_exit] [--endings sigterm]
-    .venv/bin/python ops/bench/rank_exit_stress.py --rounds 40 --endings bare     # [or plain_exit]
+    .venv/bin/python ops/bench/system/rank_exit_stress.py --rounds 30 [--out bench_out/rank_exit] [--endings sigterm]
+    .venv/bin/python ops/bench/system/rank_exit_stress.py --rounds 40 --endings bare     # [or plain_exit]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -40,7 +39,10 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
+
 ENDINGS = ("actor_lost", "lead_busy", "sigterm", "bare")
 BARE = ("bare", "plain_exit")  # two learner ranks without train: through end_rank_process, or finalization
 ABORT_SIGNS = ("terminate called", "Aborted", "Connection closed by peer")
@@ -171,7 +173,7 @@ def one_round(ending: str, out: Path, timeout_s: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--out", default="bench_out/rank_exit")
+    bench.add_out(ap, "rank_exit", help="folder for the rounds and rank_exit.json")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a round may take before it counts as hung")
     ap.add_argument("--endings", default=",".join(ENDINGS), help="the endings to cycle through, comma-separated "
                     f"(of {', '.join(ENDINGS + ('plain_exit',))})")
@@ -187,7 +189,6 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = out / "bare-model"
     if set(endings) & set(BARE) and not (model / "config.json").exists():
-        sys.path.insert(0, str(REPO))
         from exgrpo_async.toy.task import build_model, build_tokenizer
 
         build_tokenizer(model)
@@ -213,9 +214,8 @@ def main() -> int:
                          f"{sum(bool(r['rank_errors']) for r in rs)} | {sum(r['wrong_rc'] for r in rs)} | "
                          f"{secs[len(secs) // 2]:.0f} |")
     print("\n".join(table))
-    (out / "rank_exit.json").write_text(json.dumps({"rounds": rounds, "table": table}, indent=1))
-    bad = sum(r["abort"] or bool(r["rank_errors"]) or r["wrong_rc"] for r in rounds)
-    return 1 if bad else 0
+    bench.write_json(out / "rank_exit.json", {"rounds": rounds, "table": table}, indent=1, say=False)
+    return bench.exit_code(*(not (r["abort"] or r["rank_errors"] or r["wrong_rc"]) for r in rounds))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ raises every window's peak; an allocator that keeps freed pages raises the floor
 no further), the actors' RSS range, the events done, and from summary.json the
 question books (`questions_unaccounted`, target 0), stale drops, actors lost and joined, restarts.
 
-    .venv/bin/python ops/bench/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
-    .venv/bin/python ops/bench/soak.py --minutes 0.6 --every 7 --sample 2 --warmup 0.3   # the CI version (tests/)
-    .venv/bin/python ops/bench/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
+    .venv/bin/python ops/bench/system/soak.py --minutes 60 [--every 60] [--out bench_out/soak] [overrides...]
+    .venv/bin/python ops/bench/system/soak.py --minutes 0.6 --every 7 --sample 2 --warmup 0.3   # the CI version (tests/)
+    .venv/bin/python ops/bench/system/soak.py --from bench_out/soak60/soak.json     # the figures again, from its samples
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
+import bench  # noqa: E402
+from bench import REPO  # noqa: E402
+
 CYCLE = ("kill", "freeze", "add", "remove")
 SAFETY_S = 300  # learner.max_seconds beyond --minutes: ends the run should this script fail to
 
@@ -148,7 +151,7 @@ def main() -> None:
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between memory samples")
     ap.add_argument("--warmup", type=float, default=5.0, help="minutes left out of the RSS slope")
     ap.add_argument("--window", type=float, default=5.0, help="minutes per window of the peak/median/floor slopes")
-    ap.add_argument("--out", default="bench_out/soak")
+    bench.add_out(ap, "soak", help="folder for the run and soak.json")
     ap.add_argument("--from", dest="source", help="a soak.json: print its figures again from its samples, run nothing")
     a, extra = ap.parse_known_args()
     if a.source:
@@ -221,7 +224,7 @@ def report(a, out: Path, returncode: int, samples: list[dict], events: list[dict
                                        "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
         "samples": samples, "event_log": events,
     }
-    (out / "soak.json").write_text(json.dumps(res, indent=2))
+    bench.write_json(out / "soak.json", res, say=False)
     print_table(a, res)
     print(f"wrote {out / 'soak.json'}")
 
