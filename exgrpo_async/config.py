@@ -322,11 +322,11 @@ class LearnerConfig(_Strict):
     max_generated_tokens: int | None = Field(None, gt=0)
     """Stop after the step at which this many fresh completion tokens have been generated for training
     (replayed trajectories not counted); None: only `max_steps` ends training. For comparisons at equal
-    work (ops/bench/learning.py)."""
+    work (ops/bench/learning/learning.py)."""
     max_seconds: float | None = Field(None, gt=0)
     """Stop after the step that ends this many seconds into this process's training (timed from the end
     of the evaluation before training), then finish as at `max_steps`: final evaluation, model,
-    summary. None: no time budget. For runs on a wall-clock budget (ops/bench/soak.py)."""
+    summary. None: no time budget. For runs on a wall-clock budget (ops/bench/system/soak.py)."""
     eval_every_tokens: int = Field(0, ge=0)
     """Also evaluate on the held-out file each time another N fresh completion tokens have been generated
     (0: off); the row records `tokens_generated_total`, so arms compare at equal generated tokens."""

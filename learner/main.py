@@ -42,7 +42,7 @@ def _follower_sigterm(rank: int) -> None:
     """A follower does not stop on its own: the lead stops every rank together ("stop", then the final
     barrier), and a lead that is gone ends the follower's wait. A follower that left on SIGTERM while the
     lead (SIGTERMed too, by `train`, Slurm or torchrun) still had to announce its stop would break that
-    broadcast: the lead's "Connection closed by peer" (ops/bench/rank_exit_stress.py)."""
+    broadcast: the lead's "Connection closed by peer" (ops/bench/system/rank_exit_stress.py)."""
     log.warning("learner rank %d: SIGTERM; it ends when the lead stops the run", rank)
 
 

@@ -199,6 +199,6 @@ def end_rank_process(rc: int) -> NoReturn:
     tensors; releasing them during finalization takes the GIL from a thread Python is tearing down,
     and the process aborts ("terminate called without an active exception", exit 134; pytorch PR
     179291). In a loop of 2-rank lifecycles 7 of 110 clean exits aborted, mostly the follower, which
-    returns right after its last broadcast; `ops/bench/rank_exit_stress.py --endings bare,plain_exit` counts
+    returns right after its last broadcast; `ops/bench/system/rank_exit_stress.py --endings bare,plain_exit` counts
     them. One rank ends the same way: finalizing torch takes seconds."""
     end_process(rc)

@@ -20,7 +20,7 @@ activation checkpointing: the backward graph recomputes the layer, so the recomp
 graph). HF's wrapper, which would checkpoint around the compiled call, is turned off for those layers.
 That needs a layer graph without a break, so the attention runs the kernels' traceable variants
 (learner/maths/attention.py `use(..., traceable=True)`), and the checkpoint is selective: the attention's
-output is saved, everything else recomputed (ops/bench/gpu_check.py measures the step).
+output is saved, everything else recomputed (ops/bench/gpu/gpu_check.py measures the step).
 Before (the checkpoint around a compiled layer whose graph broke at the attention kernel), a recompute
 picked its graph from the compiler's cache and, on an H200 with torch 2.11, ran another graph than its
 forward (CheckpointError: the recomputed saved tensors differed; docs/benchmarks.md, "Compiled regions").

@@ -104,7 +104,7 @@ def logit_chunk(vocab: int, device: torch.device | None = None) -> int:
     """Positions per chunk of the output head. On CPU: 512 for a real vocabulary (152k: 311 MB of fp32
     logits), more for a small one, whose logits are cheap (the toy's 100 tokens: one chunk of 41,943
     positions; fewer chunks, less per-chunk overhead: 12% of the toy's forward and backward,
-    ops/bench/learner_pass.py). On a GPU: the largest power of two whose fp32 logits fit 1% of the
+    ops/bench/system/learner_pass.py). On a GPU: the largest power of two whose fp32 logits fit 1% of the
     device's memory (1024 positions on an 80 GB H100, 2048 on an H200; a chunk's backward holds about
     4 such copies). Measured on an H200 (docs/benchmarks.md, "GPU check"): 16k positions at 152k vocabulary
     took 241, 223, 214 ms at 512, 1024, 2048 positions per chunk, for 5.3, 6.0, 9.7 GB."""

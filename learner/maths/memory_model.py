@@ -13,7 +13,7 @@ key/value width, V vocabulary, n layers, c the head's chunk of positions, b the 
 - without checkpointing and chunking (the learner before issue 15): every layer's internals for all T
   tokens (n T A b) and HEAD_COPIES_FULL fp32 [T, V] tensors.
 `step_peak_bytes` is the part a step adds above the master weights and optimizer state on one unsharded
-rank (what ops/bench/learner_memory.py measures on CPU: gradients plus activations); `rank_bytes` adds
+rank (what ops/bench/system/learner_memory.py measures on CPU: gradients plus activations); `rank_bytes` adds
 the state and the gathered parameters, for a GPU plan, and `lead_bytes` the lead's publish buffers (docs/memory.md has the derivation, the
 measurements it was checked against, and the plans for the 1.5B and 7B configs).
 """

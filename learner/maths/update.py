@@ -139,7 +139,7 @@ def forwarded(s: Seq, L) -> bool:
 def cut_micro_batches(seqs: list[Seq], idx: list[int], L) -> list[list[int]]:
     """`idx` (positions in `seqs`) in micro-batches, by count or by `max_tokens_per_micro_batch`, shortest
     first: a padded micro-batch then holds sequences of like length (on the toy task 19% fewer padded
-    tokens and 20% less forward and backward time than in arrival order, ops/bench/learner_pass.py).
+    tokens and 20% less forward and backward time than in arrival order, ops/bench/system/learner_pass.py).
     Every loss term is on the mini-batch's scale, so how the sequences are grouped changes nothing but
     float summation order."""
     idx = sorted(idx, key=lambda i: (len(seqs[i].prompt) + len(seqs[i].completion), i))
@@ -193,7 +193,7 @@ PHASES = ("recompute", "forward", "backward", "optimizer")
 class Phase:
     """Adds the time of a `with` block to `res.seconds[name]`: the wall clock on CPU; on CUDA, events
     recorded on the current stream (no device-wide synchronize in the step; `read_phases` reads them).
-    The block is labelled `exgrpo.<name>` for the profiler (ops/bench/gpu_gaps.py reads the labels)."""
+    The block is labelled `exgrpo.<name>` for the profiler (ops/bench/gpu/gpu_gaps.py reads the labels)."""
 
     def __init__(self, res: UpdateResult, name: str, device: torch.device):
         self.res, self.name, self.cuda = res, name, device.type == "cuda"
