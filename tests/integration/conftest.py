@@ -48,7 +48,7 @@ def pytest_collection_finish(session) -> None:
             "resolve_toy(load_config(None, sys.argv[1:]))")  # the same call as `train`'s
     # the build's 2 OpenMP threads share the cores with the tests: spinning at each barrier while the
     # other thread waits for a core made it 1.8x slower beside two busy processes (120 SFT steps: 102 s,
-    # 57 s passive; the same loss either way), `git show 9fea2da:ops/bench/omp_wait.py`,
+    # 57 s passive; the same loss either way), `git show 716cf5e:ops/bench/omp_wait.py`,
     # docs/history/benchmarks-notebook.md's ninth pass
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     with open(log, "w") as out:
