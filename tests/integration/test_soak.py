@@ -33,7 +33,12 @@ def test_churn_keeps_the_books(small, tmp_path):
     # (the learner gives up on it 10-11 s later: an event in the run's last 12 s may not be counted yet)
     faults = [e for e in res["event_log"] if e["event"] in ("kill", "freeze")]
     settled = [e for e in faults if e["t"] + 12 <= res["samples"][-1]["t"]]
-    assert len(settled) >= 2 and len(settled) <= res["actors_lost"] <= len(faults), res["event_log"]
+    # beyond those, an actor is presumed dead only if it came back: a replacement starved of CPU while it
+    # starts (actor.nice=10 beside a busy machine) may go silent past the timeout, then rejoins
+    # (2026-11-28: 3 lost against 2 faults, 6 joined against 5, 0 questions unaccounted)
+    came_back = res["actors_joined"] - (2 + res["events"]["kill"] + res["events"]["add"] + res["events"]["freeze"])
+    assert len(settled) >= 2 and len(settled) <= res["actors_lost"] <= len(faults) + max(0, came_back), (
+        res["event_log"], res["actors_lost"], res["actors_joined"])
     # a frozen actor presumed dead sends its late rollouts when it wakes: dropped and counted as bad
     # messages (not joined), at most one request's groups per freeze (4 questions per request here)
     assert res["questions_unaccounted"] == 0 and res["bad_messages"] <= 4 * res["events"]["freeze"]
