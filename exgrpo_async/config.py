@@ -459,6 +459,11 @@ class TransportConfig(_Strict):
     actor_timeout_s: float = Field(30.0, gt=0)
     """An actor not heard from for this long (neither requests nor its heartbeat, sent every
     `heartbeat_s`) is presumed dead: its work is re-issued at once and its weight-sync group closed."""
+    join_timeout_s: float = Field(600.0, gt=0)
+    """An actor that has said hello but not yet asked for its weight-sync group (its engine is starting)
+    holds no work, and is presumed dead only when unheard for this long; `actor_timeout_s` applies from
+    its group on. Starting an engine can keep its heartbeat thread from running: a model load or a
+    compile on a busy CPU (a low-priority actor beside the learner), CUDA graph capture on a GPU."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Interval of the actor's heartbeat, sent from its own thread and socket so a long generation
     never looks like a dead actor."""

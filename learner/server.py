@@ -9,7 +9,7 @@ holds back another actor's.
 
 Membership is elastic: an actor joins with hello at any time; it leaves with bye, or is presumed dead
 when neither it nor its heartbeat thread has been heard for `transport.actor_timeout_s` (kill -9,
-SIGSTOP, a lost host). Either way its outstanding work is re-issued at once and its group is closed;
+SIGSTOP, a lost host; `transport.join_timeout_s` while its engine starts, before it asks for its group). Either way its outstanding work is re-issued at once and its group is closed;
 if a presumed-dead actor wakes up, its late rollouts are dropped (their work went out again) and its
 requests are answered "rejoin".
 
@@ -337,9 +337,11 @@ class LearnerServer:
         return n
 
     def _drop_silent_actors(self) -> None:
-        limit = self.cfg.transport.actor_timeout_s
+        transport = self.cfg.transport
         now = time.monotonic()
         for peer, info in list(self.actors.items()):
+            # an engine still starting (no group asked for yet) holds no work, and may starve its heartbeat
+            limit = transport.join_timeout_s if info.world is None else transport.actor_timeout_s
             if info.lost or now - info.last_seen > limit:
                 n = self._remove(peer)
                 self.counters["actors_lost"] += 1

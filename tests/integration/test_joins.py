@@ -28,10 +28,12 @@ from learner.dispatch import Dispatcher
 from learner.server import JOIN_RETRY_S, LearnerServer
 
 
-def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256, heartbeat_s: float = 2.0) -> LearnerServer:
+def _server(timeout_s: float, max_pending: int = 64, max_message_mb: int = 256, heartbeat_s: float = 2.0,
+            actor_timeout_s: float = 60, join_timeout_s: float = 600) -> LearnerServer:
     cfg = RunConfig.model_validate({"weight_sync": {"timeout_s": timeout_s},
                                     "transport": {"max_pending_joins": max_pending, "max_message_mb": max_message_mb,
-                                                  "heartbeat_s": heartbeat_s, "actor_timeout_s": 60}})
+                                                  "heartbeat_s": heartbeat_s, "actor_timeout_s": actor_timeout_s,
+                                                  "join_timeout_s": join_timeout_s}})
     publisher = WeightPublisher("127.0.0.1", 0, "gloo", torch.device("cpu"), 1, timeout_s)
     publisher.publish(0, [("w", torch.arange(1000, dtype=torch.float32))])
     dispatcher = Dispatcher(lambda: 0, 1, 2, 1.0, max_staleness=0)
@@ -196,5 +198,27 @@ def test_stop_waits_for_a_live_actors_goodbye_not_for_a_silent_ones():
     finally:
         beating.clear()
         for p in (silent, live, beat):
+            p.close()
+        server.stop(wait_for_actors_s=0)
+
+
+def test_an_actor_whose_engine_is_starting_has_the_join_timeout():
+    """Silent after hello (its engine starting, its heartbeat starved: a low-priority actor on a busy CPU)
+    an actor holds no work and is presumed dead only after transport.join_timeout_s; once it has asked
+    for its weight-sync group, actor_timeout_s applies."""
+    server = _server(timeout_s=3, heartbeat_s=0.2, actor_timeout_s=1, join_timeout_s=4)
+    server.start()
+    starting, joined = Peer(server.address), Peer(server.address)
+    try:
+        t0 = time.monotonic()
+        assert starting.ask("hello", host="starting", pid=1)["t"] == "welcome"
+        assert joined.ask("hello", host="joined", pid=2)["t"] == "welcome"
+        assert joined.ask("group", tp=1)["t"] == "group"
+        _wait_for(lambda: server.counters["actors_lost"] == 1, timeout=5)
+        assert time.monotonic() - t0 < 3.5 and server.connected == 1  # the one with its group, after 1 s
+        _wait_for(lambda: server.counters["actors_lost"] == 2, timeout=8)
+        assert time.monotonic() - t0 >= 4 and server.connected == 0  # the starting one, after 4 s
+    finally:
+        for p in (starting, joined):
             p.close()
         server.stop(wait_for_actors_s=0)
