@@ -19,9 +19,11 @@ pytestmark = pytest.mark.slow
 
 def test_churn_keeps_the_books(small, tmp_path):
     out = tmp_path / "soak"
+    # held-out evaluation off, as the bench has it: `small` names the held-out set (70 s of evaluating at the
+    # AVX2-only pace, 2026-11-28), and an override given later wins
     proc = subprocess.run([sys.executable, "ops/bench/system/soak.py", "--minutes", "0.6", "--every", "7", "--sample", "2", "--warmup", "0.3",
-                           "--out", str(out), *small, "metrics.port=none"], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+                           "--out", str(out), *small, "metrics.port=none", "data.eval_file=none"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "soak.json").read_text())
     assert res["returncode"] == 0
@@ -33,9 +35,9 @@ def test_churn_keeps_the_books(small, tmp_path):
     # (the learner gives up on it 10-11 s later: an event in the run's last 12 s may not be counted yet)
     faults = [e for e in res["event_log"] if e["event"] in ("kill", "freeze")]
     settled = [e for e in faults if e["t"] + 12 <= res["samples"][-1]["t"]]
-    # beyond those, an actor is presumed dead only if it came back: a replacement starved of CPU while it
-    # starts (actor.nice=10 beside a busy machine) may go silent past the timeout, then rejoins
-    # (2026-11-28: 3 lost against 2 faults, 6 joined against 5, 0 questions unaccounted)
+    # beyond those, an actor is presumed dead only if it came back: a replacement starved of CPU (actor.nice=10
+    # beside a busy machine) may go silent past the timeout once it has its group (while its engine starts,
+    # transport.join_timeout_s applies), then rejoins (2026-11-28: 3 lost against 2 faults, 6 joined against 5)
     came_back = res["actors_joined"] - (2 + res["events"]["kill"] + res["events"]["add"] + res["events"]["freeze"])
     assert len(settled) >= 2 and len(settled) <= res["actors_lost"] <= len(faults) + max(0, came_back), (
         res["event_log"], res["actors_lost"], res["actors_joined"])
