@@ -24,6 +24,7 @@ import psutil
 
 from exgrpo_async.config import RunConfig
 
+
 class PlacementError(ValueError):
     """A layout or GPU plan that cannot run; the message says why (`train` prints it and exits 2)."""
 

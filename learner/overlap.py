@@ -27,21 +27,10 @@ import time
 
 from exgrpo_async.rollout import RolloutGroup
 from learner.dispatch import WorkItem
+from learner.maths.batch import Batch, add_group, assemble, empty_batch, minibatch_order
 from learner.maths.loss_scale import LossScale
-from learner.maths.update import (
-    Batch,
-    OptimizerUpdate,
-    StepSettings,
-    UpdateResult,
-    add_group,
-    assemble,
-    cut_micro_batches,
-    empty_batch,
-    finish_result,
-    forwarded,
-    minibatch_order,
-    read_phases,
-)
+from learner.maths.result import UpdateResult, finish_result, read_phases
+from learner.maths.update import OptimizerUpdate, StepSettings, cut_micro_batches, forwarded
 from learner.policy import Policy
 
 

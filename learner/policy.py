@@ -40,11 +40,13 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.seams import WeightSender
 from exgrpo_async.weight_sync import full_tensor, plan_buckets
 from learner.maths import attention, compiled
+from learner.maths.batch import Seq
 from learner.maths.collectives import split_by_tokens
 from learner.maths.grpo import LogProbs, check_no_cross_attention
 from learner.maths.packing import micro_batches
 from learner.maths.replay import score_trajectories
-from learner.maths.update import Seq, StepSettings, UpdateResult, update_policy
+from learner.maths.result import UpdateResult
+from learner.maths.update import StepSettings, update_policy
 from learner.maths.working_weights import WorkingWeights
 from learner.model import load_policy, materialize, named_parameters_for_sync, policy_skeleton
 from learner.ranks import Ranks

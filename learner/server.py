@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from exgrpo_async.config import RunConfig, is_loopback
 from exgrpo_async.data import Question
 from exgrpo_async.rollout import RolloutGroup
-from exgrpo_async.transport import LearnerSocket
 from exgrpo_async.seams import WeightSender
+from exgrpo_async.transport import LearnerSocket
 from exgrpo_async.wire import WireError, decode_header, decode_rollouts, encode_control
 from learner.dispatch import Dispatcher, WorkItem
 from learner.fingerprints import FingerprintCheck

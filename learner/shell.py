@@ -34,8 +34,9 @@ from learner.checkpoint import (
 )
 from learner.dispatch import Dispatcher, WorkItem
 from learner.inbox import Inbox, fill_batch, paired_gain, question_books, run_eval, without_per_question
+from learner.maths.batch import Batch
 from learner.maths.experience import Experience
-from learner.maths.update import Batch, StepSettings
+from learner.maths.update import StepSettings
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import pick_device, save_policy
 from learner.overlap import Accumulator, WholeBatch

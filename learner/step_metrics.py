@@ -7,7 +7,8 @@ were stored, re-verified by the actor). Field meanings: docs/metrics.md.
 
 from __future__ import annotations
 
-from learner.maths.update import Batch, UpdateResult
+from learner.maths.batch import Batch
+from learner.maths.result import UpdateResult
 
 
 def is_stats(stats: list[dict]) -> dict:

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from exgrpo_async.config import ExGRPOConfig
+from learner.maths.batch import Batch, Seq
 from learner.maths.buffer import ExperienceBuffer, Trajectory
 from learner.maths.replay import Scorer, select_replays
-from learner.maths.update import Batch, Seq
 
 log = logging.getLogger("exgrpo_async.learner")
 

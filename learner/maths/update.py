@@ -1,7 +1,7 @@
-"""The learner's update: a step's groups in, M optimizer updates out. The maths apart from the process shell.
+"""The learner's update: a step's sequences in, M optimizer updates out. The maths apart from the process shell.
 
-`assemble` flattens received groups into `Seq`s (an ExGRPO experience group is its replayed trajectory
-in slot 0 plus K-1 fresh samples, one shared baseline); `update_policy` trains on them:
+learner/maths/batch.py `assemble` flattens received groups into `Seq`s (an ExGRPO experience group is its
+replayed trajectory in slot 0 plus K-1 fresh samples, one shared baseline); `update_policy` trains on them:
 - the step's groups are cut into M mini-batches (one optimizer update each) and each mini-batch into
   micro-batches (memory only: every loss term is on the mini-batch's `LossScale`, so any micro-batch size
   gives the same loss and gradient);
@@ -17,117 +17,20 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.rollout import RolloutGroup
+from learner.maths.batch import Seq
 from learner.maths.collectives import SOLO, Collectives, split_by_tokens
-from learner.maths.grpo import group_advantages, mismatch_kl, policy_loss, rows_logprobs
+from learner.maths.grpo import mismatch_kl, policy_loss, rows_logprobs
 from learner.maths.loss_scale import LossScale
 from learner.maths.packing import Rows, layout, micro_batches, to_device
+from learner.maths.result import Phase, UpdateResult, finish_result, read_phases
 
 log = logging.getLogger("exgrpo_async.learner")
-
-
-class WorkItem(Protocol):
-    """What the update reads of a dispatched work item (learner/dispatch.py's `WorkItem`)."""
-
-    work_id: int
-    question_id: int
-    replay: Any  # ExGRPO: the replayed Trajectory, or None
-
-
-@dataclass
-class Seq:
-    """One completion as the update sees it."""
-
-    prompt: list[int]
-    completion: list[int]
-    logprobs: torch.Tensor  # behaviour log-probs (fresh) or pi_past (replayed), per completion token
-    advantage: float
-    staleness: int  # learner version minus the version that generated it
-    group: int  # index of its group in the batch
-    replay: bool  # an ExGRPO replayed trajectory (off-policy tokens)
-    collect: bool  # goes into the experience buffer after this step
-
-
-@dataclass
-class Group:
-    """One group of the step, for ExGRPO's bookkeeping and the metrics."""
-
-    question_id: int
-    k: int  # correct responses, the replayed one included
-    size: int
-    prompt: list[int]
-    policy_version: int
-    replay: object = None  # the replayed Trajectory, if an experience group
-
-
-@dataclass
-class Batch:
-    seqs: list[Seq]
-    groups: list[Group]
-    fresh_rewards: list[float]  # every fresh completion
-    replay_rewards: list[float]
-    experience_fresh_rewards: list[float]  # the K-1 fresh completions of experience groups (a subset)
-    staleness: list[int]
-    truncated: int
-    fresh_tokens: int
-    verify_timeouts: int
-    verify_errors: int
-
-
-def minibatch_order(batch: list[tuple[WorkItem, RolloutGroup]], rng: random.Random) -> list:
-    """The step's groups in a seeded random order (mini-batch m takes the m-th slice): experience items,
-    dispatched first, would otherwise all land in the first optimizer update. Sorted by work id first,
-    so the order depends on the seed, not on arrival."""
-    out = sorted(batch, key=lambda b: b[0].work_id)
-    rng.shuffle(out)
-    return out
-
-
-def assemble(batch: list[tuple[WorkItem, RolloutGroup]], version: int, collecting: bool) -> Batch:
-    """Flatten groups into sequences with their advantages; mark correct ones of partly solved groups
-    for collection when `collecting` (ExGRPO's delayed start has fired)."""
-    out = empty_batch()
-    for item, g in batch:
-        add_group(out, item, g, version, collecting)
-    return out
-
-
-def empty_batch() -> Batch:
-    return Batch([], [], [], [], [], [], 0, 0, 0, 0)
-
-
-def add_group(out: Batch, item: WorkItem, g: RolloutGroup, version: int, collecting: bool) -> list[Seq]:
-    """Append one group (the batch's next) to `out`; returns its sequences."""
-    gi, first = len(out.groups), len(out.seqs)
-    comps = [(c.token_ids, c.logprobs, c.reward, False) for c in g.completions]
-    if item.replay is not None:
-        comps.insert(0, (item.replay.token_ids, item.replay.logprobs, float(g.extra["replay_reward"]), True))
-    rewards = [c[2] for c in comps]
-    k = sum(1 for r in rewards if r >= 1.0)
-    out.groups.append(Group(item.question_id, k, len(comps), g.prompt_ids.tolist(), g.policy_version, item.replay))
-    out.staleness.append(version - g.policy_version)
-    for c in g.completions:
-        out.verify_timeouts += c.verify_status == "timeout"
-        out.verify_errors += c.verify_status == "error"
-        out.truncated += c.finish_reason == "length"
-        out.fresh_tokens += len(c.token_ids)
-    for (ids, lps, reward, replay), a in zip(comps, group_advantages(rewards)):
-        (out.replay_rewards if replay else out.fresh_rewards).append(reward)
-        if item.replay is not None and not replay:
-            out.experience_fresh_rewards.append(reward)
-        collect = collecting and not replay and reward >= 1.0 and 0 < k < len(comps)
-        out.seqs.append(Seq(g.prompt_ids.tolist(), ids.tolist(), torch.from_numpy(lps.copy()), a,
-                            version - g.policy_version, gi, replay, collect))
-    return out.seqs[first:]
 
 
 def forwarded(s: Seq, L) -> bool:
@@ -169,61 +72,6 @@ def recompute_logps(model, seqs: list[Seq], keys: list[int], pad_id: int, device
             for k, v in zip(part, rows.split(logp.float())):
                 out[keys[k]] = v
     return out
-
-
-@dataclass
-class UpdateResult:
-    losses: list[float] = field(default_factory=list)  # one per optimizer update (mini-batch)
-    norms: list[float] = field(default_factory=list)
-    stats: list[dict] = field(default_factory=list)  # one per micro-batch
-    kl: dict = field(default_factory=lambda: {"mismatch": [0.0, 0], "behaviour": [0.0, 0]})  # k3 sums, tokens
-    diff_max: float | None = None  # max |logp_vllm - logp_learner| on tokens of the learner's own version
-    pi_past: dict[int, torch.Tensor] = field(default_factory=dict)  # seq index -> pre-update log-probs
-    updates: int = 0  # optimizer updates made
-    skipped: int = 0  # optimizer updates skipped (bad grad norm)
-    # this rank's seconds per phase: the no-grad pre-update recompute, forwards (with the loss), backwards,
-    # optimizer updates (clip and step); on CUDA from events on the compute stream, read once per step
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    events: list = field(default_factory=list, repr=False)  # (phase, start, end) CUDA events not yet read
-
-
-PHASES = ("recompute", "forward", "backward", "optimizer")
-
-
-class Phase:
-    """Adds the time of a `with` block to `res.seconds[name]`: the wall clock on CPU; on CUDA, events
-    recorded on the current stream (no device-wide synchronize in the step; `read_phases` reads them).
-    The block is labelled `exgrpo.<name>` for the profiler (ops/bench/gpu/gpu_gaps.py reads the labels)."""
-
-    def __init__(self, res: UpdateResult, name: str, device: torch.device):
-        self.res, self.name, self.cuda = res, name, device.type == "cuda"
-        self.label = torch.profiler.record_function(f"exgrpo.{name}")
-
-    def __enter__(self) -> None:
-        self.label.__enter__()
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.res.events.append((self.name, self.start, end))
-        else:
-            self.res.seconds[self.name] += time.perf_counter() - self.t0
-        self.label.__exit__(*exc)
-
-
-def read_phases(res: UpdateResult) -> None:
-    """Turn the step's CUDA phase events into seconds (waits for the last one only)."""
-    if res.events:
-        res.events[-1][2].synchronize()
-        for name, start, end in res.events:
-            res.seconds[name] += start.elapsed_time(end) / 1000.0
-        res.events.clear()
 
 
 @dataclass
@@ -407,30 +255,6 @@ def _mismatch_stats(prox, behav, mask, replay_tok, own_version_tok, kl_valid: bo
     if diff:
         d_ = torch.where(own_version, (prox - behav).abs(), torch.full_like(prox, -1.0)).max()
         res.diff_max = d_ if res.diff_max is None else torch.maximum(torch.as_tensor(res.diff_max), d_)
-
-
-def finish_result(res: UpdateResult) -> None:
-    """Read the step's statistics off the device in one transfer: losses, micro-batch stats, KL sums,
-    the max log-prob diff and the collected pi_past become host numbers."""
-    tensors = [t for t in res.losses if isinstance(t, torch.Tensor)]
-    tensors += [v for st in res.stats for v in st.values() if isinstance(v, torch.Tensor)]
-    tensors += [v for pair in res.kl.values() for v in pair if isinstance(v, torch.Tensor)]
-    if isinstance(res.diff_max, torch.Tensor):
-        tensors.append(res.diff_max)
-    at = tensors[0].device if tensors else None
-    values = iter(torch.stack([t.detach().double().reshape(()).to(at) for t in tensors]).tolist() if tensors else [])
-    host = lambda v: next(values) if isinstance(v, torch.Tensor) else v  # noqa: E731 (in the order collected)
-    res.losses = [host(v) for v in res.losses]
-    res.stats = [{k: host(v) for k, v in st.items()} for st in res.stats]
-    kl = {k: [host(a), host(b)] for k, (a, b) in res.kl.items()}
-    res.kl = {k: [a, int(b)] for k, (a, b) in kl.items()}
-    if res.diff_max is not None:
-        d = host(res.diff_max)
-        res.diff_max = d if d >= 0 else None
-    if res.pi_past:  # one transfer
-        keys = list(res.pi_past)
-        on_host = torch.cat([res.pi_past[i] for i in keys]).cpu().split([len(res.pi_past[i]) for i in keys])
-        res.pi_past = dict(zip(keys, on_host))
 
 
 def sum_replicated_grads(model: torch.nn.Module) -> None:

@@ -22,8 +22,9 @@ import torch.multiprocessing as mp
 from exgrpo_async.config import RunConfig
 from exgrpo_async.weight_sync import WeightPublisher
 from learner.checkpoint import load_checkpoint, read_training_state, save_checkpoint
+from learner.maths.batch import Seq
 from learner.maths.collectives import split_by_tokens
-from learner.maths.update import Seq, StepSettings
+from learner.maths.update import StepSettings
 from learner.policy import Policy
 from learner.ranks import Ranks, end_rank_process
 from tests.conftest import build_tiny_policy

@@ -9,9 +9,9 @@ from exgrpo_async.config_io import load_config
 from exgrpo_async.data import QuestionSampler
 from exgrpo_async.rollout import Completion, RolloutGroup
 from learner.dispatch import Dispatcher, WorkItem
+from learner.maths.batch import assemble
 from learner.maths.buffer import Trajectory
 from learner.maths.experience import Experience
-from learner.maths.update import assemble
 
 K, B = 4, 8
 

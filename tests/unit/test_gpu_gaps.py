@@ -9,7 +9,8 @@ import torch
 from exgrpo_async.config import RunConfig
 from exgrpo_async.toy.task import build_model
 from learner.maths import attention
-from learner.maths.update import Seq, StepSettings, update_policy
+from learner.maths.batch import Seq
+from learner.maths.update import StepSettings, update_policy
 from tests.bench import load_bench
 
 gpu_gaps = load_bench("gpu/gpu_gaps")

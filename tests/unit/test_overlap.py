@@ -13,8 +13,9 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.toy.task import build_model
 from learner.dispatch import WorkItem
+from learner.maths.batch import assemble
 from learner.maths.buffer import Trajectory
-from learner.maths.update import StepSettings, assemble, update_policy
+from learner.maths.update import StepSettings, update_policy
 from learner.overlap import Accumulator
 from learner.ranks import Ranks
 

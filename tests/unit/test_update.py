@@ -12,10 +12,11 @@ from exgrpo_async.config_io import load_config
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.toy.task import build_model
 from learner.dispatch import WorkItem
+from learner.maths.batch import Seq, assemble, minibatch_order
 from learner.maths.buffer import Trajectory
 from learner.maths.grpo import token_logprobs
 from learner.maths.packing import pad_rows
-from learner.maths.update import Seq, StepSettings, assemble, minibatch_order, update_policy
+from learner.maths.update import StepSettings, update_policy
 from learner.train import _clip
 
 L_MAX = 24

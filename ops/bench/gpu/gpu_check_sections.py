@@ -167,8 +167,8 @@ def env(ctx: Context) -> dict:
 
 # ----------------------------------------------------------------------------------------- 2. imports
 IMPORTS = ["exgrpo_async.config", "exgrpo_async.launcher.placement", "exgrpo_async.layout", "exgrpo_async.weight_sync",
-           "exgrpo_async.fingerprint", "learner.maths.attention", "learner.policy", "learner.maths.update",
-           "learner.maths.memory_model", "learner.shell", "learner.main"]
+           "exgrpo_async.fingerprint", "learner.maths.attention", "learner.policy", "learner.maths.batch",
+           "learner.maths.result", "learner.maths.update", "learner.maths.memory_model", "learner.shell", "learner.main"]
 
 
 def imports(ctx: Context) -> dict:
@@ -364,7 +364,7 @@ def _step_cfg(path: str, budget: int, max_new: int):
 
 
 def _seqs(n_groups: int, k: int, vocab: int, prompt: tuple[int, int], comp: tuple[int, int], seed: int):
-    from learner.maths.update import Seq
+    from learner.maths.batch import Seq
 
     rng = random.Random(seed)
     out = []

@@ -6,7 +6,7 @@ Two views of one learner step, for the GPU check's profile section (ops/bench/gp
   host catches up);
 - `idle_gaps(trace)`: from a profiler's Chrome trace (CPU and CUDA activities), the device's busy and
   idle time over the step's window, and the idle time before each kernel charged to what launched it:
-  the learner's phase (`learner.maths.update.Phase` labels its blocks `exgrpo.<phase>`) and the innermost
+  the learner's phase (`learner.maths.result.Phase` labels its blocks `exgrpo.<phase>`) and the innermost
   aten op around the launch; and the host's waits in synchronising runtime calls, by the same keys.
 """
 

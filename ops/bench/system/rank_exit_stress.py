@@ -76,7 +76,8 @@ def rank_main(model: str, plain_exit: bool) -> int:
     import torch
 
     from exgrpo_async.config import RunConfig
-    from learner.maths.update import Seq, StepSettings
+    from learner.maths.batch import Seq
+    from learner.maths.update import StepSettings
     from learner.policy import Policy
     from learner.ranks import Ranks, end_rank_process
 
