@@ -40,9 +40,10 @@ from learner.maths.update import StepSettings
 from learner.metrics import LearnerMetrics, TargetsFile
 from learner.model import pick_device, save_policy
 from learner.overlap import Accumulator, WholeBatch
+from learner.peers import actor_idle_share
 from learner.policy import Policy
 from learner.ranks import Ranks
-from learner.server import LearnerServer, actor_idle_share
+from learner.server import LearnerServer
 from learner.trackers import Trackers
 
 log = logging.getLogger("exgrpo_async.learner")

@@ -1,6 +1,6 @@
 """The learner's actor-idle figure is a window between two snapshots of the actors' busy seconds."""
 
-from learner.server import actor_idle_share
+from learner.peers import actor_idle_share
 
 
 def test_window_not_lifetime():

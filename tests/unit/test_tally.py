@@ -3,7 +3,7 @@ per-sync history kept however long the run."""
 
 from __future__ import annotations
 
-from learner.server import Tally
+from learner.peers import Tally
 
 
 def test_tally_hands_out_new_values_once_and_keeps_only_totals():
