@@ -9,6 +9,8 @@ EXTRAS=$EXTRA
 if [ "${EXGRPO_DEV:-0}" = 1 ]; then EXTRAS="$EXTRA,dev"; fi   # ops/test: pytest and the trackers it reads back
 stamp=".venv/.setup-${EXTRAS/,/-}-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
+# a dev install holds the plain one (./ops/demo after ./ops/test installs nothing, and keeps the dev stamp)
+if [ "$EXTRAS" = "$EXTRA" ] && [ -f "${stamp/.setup-$EXTRA-/.setup-$EXTRA-dev-}" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 # --no-compile: pip byte-compiles every file on one core (about 2 of set-up's 5 minutes); compileall

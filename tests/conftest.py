@@ -33,6 +33,7 @@ RUN_ORDER = [f"tests/{name}.py" for name in (
     "integration/test_hostile_learner", "integration/test_learner_ranks", "integration/test_stream_engine",
     "integration/test_joins", "unit/test_gpu_check",  # about 200 s without the toy policy
     "integration/test_rehearsal", "integration/test_full_run", "integration/test_faults", "integration/test_soak",
+    "integration/test_bench_runs",
     "integration/test_prometheus", "integration/test_eval", "integration/test_resume", "integration/test_fuzz",
     "integration/test_multinode")]
 
