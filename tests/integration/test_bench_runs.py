@@ -2,9 +2,9 @@
 ops/bench/system/pipeline.py): each script end to end at the smallest size that still takes its every
 step (runs, evaluations, the figures and the JSON), so a change to the CLI, the config or the run folder
 that breaks a benchmark fails here, not at the next measurement. The figures of these runs mean nothing;
-their shape and their internal arithmetic are what is checked. peer.py is not here: its evaluator is the
-TRL harness's, in that harness's own virtual environment (../shared/tools/peer), which the project does
-not install; its pure parts are tests/unit/test_bench_suite.py's.
+their shape and their internal arithmetic are what is checked. peer.py runs its own side only: TRL's runs
+need the peer harness's own virtual environment (../shared/tools/peer/README.md), which the project does not
+install; the harness's evaluator, which scores our checkpoints, runs in this one.
 """
 
 from __future__ import annotations
@@ -79,3 +79,23 @@ def test_demo_seeds_bench_tiny_run(toy, held_out, tmp_path):
     assert run["steps"] == 2 and set(run["gain"]) >= {"sampled", "sampled_se", "greedy", "greedy_se"}
     assert run["gain"]["sampled"] == pytest.approx(run["after"] - run["before"])
     assert res["cpu"]["flags"] and "avx2" in res["cpu"]["flags"]
+
+
+HARNESS = REPO.parent / "shared" / "tools" / "peer" / "trl_toy.py"
+
+
+def test_peer_bench_tiny_run_of_ours(toy, held_out, tmp_path):
+    """Our side of the TRL comparison: a 2-step run checkpointed at step 2, the checkpoint scored by the peer
+    harness's evaluator (transformers, 1 sample, 10 held-out questions); no TRL side, so no ratio."""
+    assert HARNESS.exists(), f"the peer harness is not at {HARNESS} (../shared beside the checkout)"
+    evals = tmp_path / "held-out-10.jsonl"
+    evals.write_text("".join(held_out.read_text().splitlines(keepends=True)[:10]))
+    out = tmp_path / "peer"
+    bench("learning/peer.py", "--systems", "ours", "--seeds", "0", "--steps", "2", "--every", "2",
+          "--peer-py", sys.executable, "--harness", str(HARNESS), "--src-cache", str(TOY_CACHE),
+          "--eval-args", f"--eval hf --eval-samples 1 --test-file {evals}", "--out", str(out), *TINY,
+          "data.eval_file=none")  # the run's own evaluations (the demo's 1,000 questions) are not the bench's
+    res = json.loads((out / "peer.json").read_text())
+    ((point,),) = res["runs"]["ours"]
+    assert point["step"] == 2 and point["seconds"] > 0 and 0.0 <= point["accuracy"] <= 1.0
+    assert point["tokens_generated"] > 0 and res["time_to_trl"] == {"ours": None}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -75,7 +76,7 @@ def freeze(src_cache: Path, out: Path) -> Path:
 
 
 def evaluate(a, cache: Path, model: Path, log: Path) -> dict:
-    sh([a.peer_py, a.harness, "--main", REPO, "--cache", cache, "--eval-only", model], log)
+    sh([a.peer_py, a.harness, "--main", REPO, "--cache", cache, "--eval-only", model, *shlex.split(a.eval_args)], log)
     return json.loads(log.read_text().strip().splitlines()[-1])
 
 
@@ -191,6 +192,8 @@ def main() -> None:
     ap.add_argument("--src-cache", default="~/.cache/exgrpo_async")
     ap.add_argument("--trl-seconds", type=float, default=None,
                     help="train TRL for this wall-clock budget (or --steps, whichever ends first)")
+    ap.add_argument("--eval-args", default="", help="more arguments of the harness's evaluation (its --eval, "
+                    "--eval-samples, --test-file: the default is avg@8 with vLLM on the toy test set)")
     ap.add_argument("--reuse", default=None, metavar="PEER_JSON",
                     help="take the systems not in --systems from an earlier peer.json (same warm start)")
     a, extra = ap.parse_known_args()
