@@ -10,6 +10,7 @@ install; the harness's evaluator, which scores our checkpoints, runs in this one
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,8 @@ HARNESS = REPO.parent / "shared" / "tools" / "peer" / "trl_toy.py"
 def test_peer_bench_tiny_run_of_ours(toy, held_out, tmp_path):
     """Our side of the TRL comparison: a 2-step run checkpointed at step 2, the checkpoint scored by the peer
     harness's evaluator (transformers, 1 sample, 10 held-out questions); no TRL side, so no ratio."""
-    assert HARNESS.exists(), f"the peer harness is not at {HARNESS} (../shared beside the checkout)"
+    if not HARNESS.exists():  # a visible skip, or under CI (which has ../shared beside the clone) a failure
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the peer harness is not at {HARNESS}")
     evals = tmp_path / "held-out-10.jsonl"
     evals.write_text("".join(held_out.read_text().splitlines(keepends=True)[:10]))
     out = tmp_path / "peer"
