@@ -329,7 +329,7 @@ def ensure_toy_assets(cache_dir: Path, seed: int, sft_steps: int, train_question
     with open(root.parent / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
         if not (root / "done").exists():
-            from exgrpo_async.toy import shipped as toy_shipped
+            import exgrpo_async.toy.shipped as toy_shipped
 
             if toy_shipped.matches(recipe_key(seed, sft_steps)):
                 write_task_files(paths, seed, train_questions)
