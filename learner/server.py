@@ -9,7 +9,8 @@ holds back another actor's.
 
 Membership is elastic: an actor joins with hello at any time; it leaves with bye, or is presumed dead
 when neither it nor its heartbeat thread has been heard for `transport.actor_timeout_s` (kill -9,
-SIGSTOP, a lost host; `transport.join_timeout_s` while its engine starts, before it asks for its group). Either way its outstanding work is re-issued at once and its group is closed;
+SIGSTOP, a lost host; `transport.join_timeout_s` while its engine starts, before it asks for its group).
+Either way its outstanding work is re-issued at once and its group is closed;
 if a presumed-dead actor wakes up, its late rollouts are dropped (their work went out again) and its
 requests are answered "rejoin".
 
