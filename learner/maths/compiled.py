@@ -40,6 +40,11 @@ import torch
 log = logging.getLogger("exgrpo_async.learner")
 
 SETTINGS = ("auto", "on", "head", "off")
+# The compiler every region goes through. Inductor always in training; the GPU check's CPU rehearsal
+# (ops/bench/gpu/gpu_check.py --compile-backend aot_eager) traces the same regions (Dynamo's graphs, the
+# autograd graphs with the checkpoint inside) without Inductor's C++ kernels: a GPU's Triton code cannot be
+# rehearsed on a CPU anyway, and Inductor's CPU code for these regions is tests/unit/test_compiled.py's.
+BACKEND = "inductor"
 
 
 class Regions(NamedTuple):
@@ -93,7 +98,7 @@ def compile_layers(model: torch.nn.Module, checkpointed: bool = False) -> int:
     for layer in layers:
         if "forward" not in vars(layer):  # the class's forward, bound to this layer, compiled
             fn = functools.partial(_checkpointed, layer.forward) if checkpointed else layer.forward
-            layer.forward = torch.compile(fn, dynamic=True)
+            layer.forward = torch.compile(fn, dynamic=True, backend=BACKEND)
         if checkpointed:
             layer.gradient_checkpointing = False  # the checkpoint is inside the compiled graph
     return len(layers)
@@ -137,7 +142,7 @@ def _checkpointed(forward, *args, **kwargs):
 def compiled_head(fn):
     """`fn` (the head's per-chunk log-prob and entropy) compiled, once per process."""
     fixed_cpu_threads()
-    return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=True, backend=BACKEND)
 
 
 def fixed_cpu_threads() -> None:

@@ -41,14 +41,20 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
     each layer's graph): the same weights and scores as eager, and the second update compiles nothing;
     the checkpointed layers keep far less for the backward; a call that would need a graph past the
     recompile limit raises."""
+    import torch._inductor.config as inductor
+
     from learner.maths.update import StepSettings
     from learner.policy import Policy
     from learner.ranks import Ranks
     from tests.integration.test_learner_ranks import _cfg, _seqs
 
     torch._dynamo.reset()
+    dynamic_threads = inductor.cpp.dynamic_threads
     policies, kept = {}, {}
     for mode in ("off", "on", "on_checkpointed"):
+        # the Inductor mode vLLM's CPU platform leaves in a process that built an engine: the regions compile
+        # for a fixed thread count instead (its own mode corrupted the heap, 4 runs in 4; compiled.fixed_cpu_threads)
+        inductor.cpp.dynamic_threads = True
         cfg = _cfg(tiny_tied, 1)
         cfg.learner.compile, cfg.learner.attention = mode.removesuffix("_checkpointed"), "per_sequence"
         cfg.learner.gradient_checkpointing = mode.endswith("_checkpointed")
@@ -60,6 +66,7 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
             graphs.append(counters["stats"]["unique_graphs"])
         if mode != "off":
             assert p.compiled == compiled.Regions(True, True) and graphs[0] > 0 and graphs[1] == graphs[0], graphs
+            assert inductor.cpp.dynamic_threads is False and compiled.BACKEND == "inductor"
         kept[mode] = _bytes_kept_for_backward(p, _seqs(3))
     # the checkpoint is real: what the layers keep for the backward (their inputs, the attention's output)
     # is under half of what the layers compiled without it keep
@@ -87,6 +94,7 @@ def test_a_compiled_learner_takes_the_eager_learners_steps(tiny_tied):
             policies["on"].model(input_ids=ids)  # autocast on: a new graph would be needed
     finally:
         torch._dynamo.config.recompile_limit = limit
+        inductor.cpp.dynamic_threads = dynamic_threads
 
 
 def _bytes_kept_for_backward(policy, seqs) -> int:

@@ -36,7 +36,8 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                host, and whether weight sync's deadline frees it (last: it may leave a thread stuck)
 
     ops/gpu-check --out OUT                      # on the GPU machine (PYTHONUNBUFFERED, wheels, this file)
-    .venv/bin/python ops/bench/gpu/gpu_check.py --device cpu --tiny --out bench_out/gpu_check_cpu   # rehearsal
+    # the CPU rehearsal (with Inductor's C++ kernels instead of aot_eager: a minute more)
+    .venv/bin/python ops/bench/gpu/gpu_check.py --device cpu --tiny --compile-backend aot_eager --out bench_out/gpu_cpu
 """
 
 from __future__ import annotations
@@ -68,11 +69,18 @@ def main() -> None:
     ap.add_argument("--variants", default=None,
                     help="comma-separated variants of step_1.5b and profile to run (names as in the JSON); "
                          "default all")
+    ap.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"),
+                    help="the compiler of the compiled variants (learner/maths/compiled.py BACKEND); the CPU "
+                         "rehearsal's aot_eager traces every region without generating C++ kernels")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_check.json"
-    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "sections": {}}
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
+                     "compile_backend": a.compile_backend, "sections": {}}
+    from learner.maths import compiled
+
+    compiled.BACKEND = a.compile_backend
     ctx = sec.Context(a.device, a.tiny, a.steps, a.variants.split(",") if a.variants else None)
     partial: dict[str, dict] = {}  # a long section's figures so far: kept beside its error if it fails later
 
