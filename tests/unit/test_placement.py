@@ -150,3 +150,29 @@ def test_gpu_actors_get_a_real_share_of_the_cores():
     assert actors == [[3, 4, 5], [6, 7, 8]] and spare == {0, 1, 2, 9}
     assert gpu_core_slices(list(range(64)), 7, False) == (None, [None] * 7)
     assert gpu_core_slices([0, 1], 2, True) == (None, [None, None])  # fewer cores than processes
+
+
+NODE_GPUS = """
+import sys
+from exgrpo_async.config_io import load_config
+from exgrpo_async.launcher import train
+train.GPU_DEVICE_FILES = (sys.argv[1],)
+print(train.node_gpus(load_config(None, [])), "torch" in sys.modules)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_train_asks_torch_for_the_gpus_only_where_a_gpu_driver_is(tmp_path):
+    """Without a GPU driver's device file `train` counts 0 GPUs without importing torch (2 s of a core on a
+    Xeon, 8 at the AVX2-only pace, before any process of the run starts); with one, torch counts them."""
+    def ask(device_file: Path) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", NODE_GPUS, str(device_file)], capture_output=True, text=True,
+                              timeout=100)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    assert ask(tmp_path / "no-driver") == ["0", "False"]
+    (tmp_path / "nvidiactl").touch()
+    import torch
+
+    assert ask(tmp_path / "nvidiactl") == [str(torch.cuda.device_count()), "True"]
