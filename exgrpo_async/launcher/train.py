@@ -74,8 +74,8 @@ GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/d
 
 def node_gpus(cfg: RunConfig) -> int:
     """GPUs `train` may place processes on: `placement.gpus`, else the visible CUDA devices (0 on CPU).
-    Torch is asked only where a GPU driver is present: importing it takes 2 s of a core on a Xeon, 8 at the
-    AVX2-only pace, before any process of the run can start."""
+    Torch is asked only where a GPU driver is present: importing it took 1.2-2.4 s of a core on an idle Xeon,
+    several at an AVX2-only CPU's pace beside other work, before any process of the run could start."""
     if cfg.placement.gpus is not None:
         return cfg.placement.gpus
     if cfg.learner.device == "cpu" or not any(os.path.exists(f) for f in GPU_DEVICE_FILES):

@@ -163,8 +163,8 @@ print(train.node_gpus(load_config(None, [])), "torch" in sys.modules)
 
 @pytest.mark.timeout(120)
 def test_train_asks_torch_for_the_gpus_only_where_a_gpu_driver_is(tmp_path):
-    """Without a GPU driver's device file `train` counts 0 GPUs without importing torch (2 s of a core on a
-    Xeon, 8 at the AVX2-only pace, before any process of the run starts); with one, torch counts them."""
+    """Without a GPU driver's device file `train` counts 0 GPUs without importing torch (seconds of a core
+    before any process of the run starts); with one, torch counts them."""
     def ask(device_file: Path) -> list[str]:
         proc = subprocess.run([sys.executable, "-c", NODE_GPUS, str(device_file)], capture_output=True, text=True,
                               timeout=100)
