@@ -73,7 +73,9 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
             heartbeat = Heartbeat(learner_address, keys_dir, welcome["actor_id"], cfg.transport.heartbeat_s)
             try:
                 if engine is None:
-                    engine, verifier = start_batch_engine(cfg, welcome["actor_id"], on_cpu)
+                    engine, verifier = start_engine_unless_told_to_stop(cfg, welcome["actor_id"], on_cpu, heartbeat)
+                    if engine is None:
+                        return stats
                 serve_batch(sock, welcome, cfg, engine, verifier, stats, metrics)
                 return stats
             except LearnerLost as e:
@@ -100,6 +102,23 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
             engine.close()
         if metrics is not None:
             metrics.close()
+
+
+def start_engine_unless_told_to_stop(cfg: RunConfig, actor_id: str, on_cpu: bool, heartbeat: Heartbeat):
+    """The engine and verifier; (None, None) when the learner's run ended while the engine was starting (its
+    answer to a heartbeat): the start is cut short, and the actor ends as a stopped one, at once."""
+    try:
+        with heartbeat.interruptible():
+            engine, verifier = start_batch_engine(cfg, actor_id, on_cpu)
+    except KeyboardInterrupt:
+        if not heartbeat.told_to_stop.is_set():
+            raise  # the user's Ctrl-C
+        return None, None
+    if heartbeat.told_to_stop.is_set():  # told as the start ended: nothing to ask the learner for
+        verifier.close()
+        engine.close()
+        return None, None
+    return engine, verifier
 
 
 def start_batch_engine(cfg: RunConfig, actor_id: str, on_cpu: bool):

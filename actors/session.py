@@ -10,6 +10,7 @@ run on these; neither imports the other's code.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import math
 import os
@@ -17,6 +18,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import zmq
@@ -28,7 +31,7 @@ from exgrpo_async.config_io import config_from_json
 from exgrpo_async.rollout import Completion, RolloutGroup
 from exgrpo_async.seams import ActorTransport, Engine, Verifier
 from exgrpo_async.transport import ActorSocket
-from exgrpo_async.wire import WireError, encode_control
+from exgrpo_async.wire import WireError, decode_header, encode_control
 
 log = logging.getLogger("exgrpo_async.actor")
 
@@ -143,10 +146,19 @@ def join(address: str, keys_dir: str | None, patience_s: float, timeout_s: float
 
 class Heartbeat:
     """Tells the learner "alive" every `interval_s` from its own thread and socket, so an actor busy in a
-    long generation is never taken for dead; a killed or frozen (SIGSTOP) actor goes silent."""
+    long generation is never taken for dead; a killed or frozen (SIGSTOP) actor goes silent.
+
+    The learner answers a beat with "stop" only once its run has ended and this actor has not asked for its
+    weight-sync group yet (its engine still starting): `told_to_stop` is set then, and inside `interruptible()`
+    the main thread gets a KeyboardInterrupt, so the engine's start (seconds to minutes) is cut short instead of
+    keeping the learner and the launcher waiting for it to end."""
 
     def __init__(self, address: str, keys_dir: str | None, actor_id: str, interval_s: float):
         self._stop = threading.Event()
+        self.told_to_stop = threading.Event()
+        self.ignored = 0  # answers other than "stop" (a hostile or broken learner's)
+        self._interruptible = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, args=(address, keys_dir, actor_id, interval_s),
                                         name="heartbeat", daemon=True)
         self._thread.start()
@@ -159,8 +171,43 @@ class Heartbeat:
                     sock.sock.send_multipart(encode_control("alive", actor_id=actor_id), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
+                for _ in range(16):  # what a beat's wait let in, bounded against a flood
+                    if not sock.sock.poll(0):
+                        break
+                    self._answer(sock.sock.recv_multipart(), actor_id)
         finally:
             sock.close()
+
+    def _answer(self, frames: list[bytes], actor_id: str) -> None:
+        try:
+            kind = decode_header(frames[0])["t"]
+        except WireError as e:
+            kind = f"malformed ({e})"
+        if kind != "stop":  # nothing else is sent to a heartbeat: counted, the first few logged, the beats go on
+            self.ignored += 1
+            if self.ignored <= 3:
+                log.warning("%s: the learner answered a heartbeat with %.80s; ignored%s", actor_id, kind,
+                            " (no more such lines)" if self.ignored == 3 else "")
+            return
+        log.info("%s: the learner's run ended before we asked for its weights: stopping", actor_id)
+        with self._lock:
+            self.told_to_stop.set()
+            if self._interruptible:
+                _thread.interrupt_main()
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """While inside, a "stop" answer raises KeyboardInterrupt in the main thread (this must be it); the
+        caller checks `told_to_stop` to tell it from the user's Ctrl-C."""
+        with self._lock:
+            if self.told_to_stop.is_set():
+                raise KeyboardInterrupt
+            self._interruptible = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._interruptible = False
 
     def stop(self) -> None:
         self._stop.set()

@@ -77,6 +77,8 @@ class StreamActor:
         self.verifier: Verifier = make_verifier(self.cfg)
         self.tokenizer = self.engine.get_tokenizer()
         try:
+            if self.heartbeat.told_to_stop.is_set():  # the run ended while the engine started: leave at once
+                return self.stats
             while True:
                 try:
                     await self.session(sock, welcome)

@@ -127,6 +127,7 @@ class ActorInfo:
     metrics_address: str | None = None  # its Prometheus endpoint, host:port, as it reported it
     world: int | None = None  # its weight-sync group's size (1 + the engine's workers), once asked for
     lost: bool = False  # set by its sync thread when a broadcast timed out: presumed dead
+    told_to_stop: bool = False  # the run ended while its engine was starting: told through its heartbeat
     jobs: queue.Queue = field(default_factory=queue.Queue)  # weight-sync jobs for its sync thread
 
 

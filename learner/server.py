@@ -81,6 +81,7 @@ class LearnerServer:
         # actor id -> (its seconds generating so far, when it said so): its last work request's busy_s
         self.actor_busy: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
+        self._ending = False  # set by stop(): the run is over, actors are being told so
         self._n_actors = 0
         self._thread = threading.Thread(target=self._serve, name="zmq-server", daemon=True)
         self._sync_threads: list[threading.Thread] = []
@@ -147,6 +148,12 @@ class LearnerServer:
             alive = next((a for a in self.actors.values() if a.actor_id == head.get("actor_id")), None)
             if alive is not None:
                 alive.last_seen = time.monotonic()
+                if self._ending and alive.world is None and not alive.told_to_stop:
+                    # the run has ended while its engine starts (no work, no group yet): it leaves now, not once its
+                    # engine is up and it asks for work (test_faults.py's drill: the replacement for the killed actor)
+                    alive.told_to_stop = True
+                    self.sock.send(peer, encode_control("stop"))
+                    log.info("%s: told to stop while its engine starts", alive.actor_id)
         elif info is None:
             if kind == "bye":  # the goodbye of a socket we already forgot (presumed dead, then rejoined)
                 return
@@ -371,6 +378,7 @@ class LearnerServer:
         if self._stop.is_set():
             return
         self.dispatcher.stop()
+        self._ending = True  # an actor whose engine is still starting is told so by its next heartbeat, and leaves
         deadline = time.monotonic() + wait_for_actors_s
         silent_s = max(3 * self.cfg.transport.heartbeat_s, 2.0)
         while time.monotonic() < deadline and any(time.monotonic() - a.last_seen < silent_s

@@ -148,6 +148,10 @@ def test_two_rank_drill_join_junk_freeze_kill9_nan_then_resume_on_one(small, tmp
         os.kill(killed, signal.SIGKILL)  # mid-step: it holds work
         # the woken actor rejoined, and the launcher's replacement for the killed one joined
         wait_for(lambda: log_path.read_text().count(" joined from ") == 5, 180, "the rejoin and the replacement", proc)
+        # and the learner gave up on the killed one (its work re-issued): a stop now does not wait for the
+        # replacement's engine to start (told to stop through its heartbeat), so it could come first
+        wait_for(lambda: log_path.read_text().count(": presumed dead,") == 2, 60, "the learner to give up on the killed actor",
+                 proc)
         (run_dir / "STOP").touch()
         proc.wait(timeout=300)
         assert proc.returncode == 0, log_excerpt(log_path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 import zmq
 
@@ -221,4 +222,80 @@ def test_an_actor_whose_engine_is_starting_has_the_join_timeout():
     finally:
         for p in (starting, joined):
             p.close()
+        server.stop(wait_for_actors_s=0)
+
+
+def test_an_actor_still_starting_its_engine_at_the_end_is_told_to_stop_through_its_heartbeat(monkeypatch):
+    """The run ends while an actor's engine starts (it said hello, has no group, holds no work; on a busy
+    CPU an engine takes 10-30 s, on a GPU minutes): the learner answers its next heartbeat "stop", the
+    start is cut short, the actor says bye and the learner's stop returns in about a heartbeat, not once the
+    engine is up. An actor with its group gets no such answer (its next work request says stop)."""
+    import actors.loop as actor_loop
+    from actors.session import Heartbeat
+
+    server = _server(timeout_s=5, heartbeat_s=0.2)
+    server.start()
+    sock, welcome = join(server.address, None, 10, 10)
+    serving, serving_welcome = join(server.address, None, 10, 10)  # an actor with its engine up and its group
+    ws = weight_group(serving, 1, 5)
+    rx = WeightReceiver(ws["host"], ws["port"], ws["prefix"], 1, ws["world_size"], ws["backend"],
+                        torch.device("cpu"), ws["timeout_s"])
+    serving_beat = Peer(server.address)
+    heartbeat = Heartbeat(server.address, None, welcome["actor_id"], 0.2)
+    started: list[float] = []
+
+    def slow_engine_start(*_):  # an engine that would take 15 s to start
+        started.append(time.monotonic())
+        while time.monotonic() - started[0] < 15:
+            time.sleep(0.01)
+        raise AssertionError("the engine's start was not cut short")
+
+    monkeypatch.setattr(actor_loop, "start_batch_engine", slow_engine_start)
+    stopper = threading.Thread(target=server.stop, kwargs={"wait_for_actors_s": 30}, daemon=True)
+    try:
+        threading.Timer(1.0, stopper.start).start()
+        engine, verifier = actor_loop.start_engine_unless_told_to_stop(server.cfg, welcome["actor_id"], True, heartbeat)
+        assert (engine, verifier) == (None, None) and heartbeat.told_to_stop.is_set()
+        assert time.monotonic() - started[0] < 3  # the stop came at 1 s, its answer within a heartbeat
+        serving_beat.tell("alive", actor_id=serving_welcome["actor_id"])
+        assert not serving_beat.sock.poll(1000), "an actor with its group was answered through its heartbeat"
+        heartbeat.stop()
+        sock.send(encode_control("bye"))  # as actors/loop.py's run does next
+        serving.send(encode_control("bye"))
+        stopper.join(timeout=5)
+        assert not stopper.is_alive() and server.connected == 0 and server.counters["actors_lost"] == 0
+        # told before the start began: the engine is not started at all
+        started.clear()
+        late = Heartbeat(server.address, None, "late", 0.2)
+        late.told_to_stop.set()
+        try:
+            assert actor_loop.start_engine_unless_told_to_stop(server.cfg, "late", True, late) == (None, None)
+        finally:
+            late.stop()
+        assert not started
+    finally:
+        heartbeat.stop()
+        for s in (sock, serving, serving_beat):
+            s.close()
+        rx.close()
+        server.stop(wait_for_actors_s=0)
+
+
+def test_a_ctrl_c_while_the_engine_starts_is_not_taken_for_the_learners_stop(monkeypatch):
+    import actors.loop as actor_loop
+    from actors.session import Heartbeat
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(actor_loop, "start_batch_engine", interrupted)
+    server = _server(timeout_s=5, heartbeat_s=0.2)
+    server.start()
+    heartbeat = Heartbeat(server.address, None, "actor-x", 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            actor_loop.start_engine_unless_told_to_stop(server.cfg, "actor-x", True, heartbeat)
+        assert not heartbeat.told_to_stop.is_set()
+    finally:
+        heartbeat.stop()
         server.stop(wait_for_actors_s=0)
