@@ -52,6 +52,19 @@ def preload_vllm() -> tuple[type, type]:
     return LLM, AsyncLLM
 
 
+def no_compiling_on_cpu() -> None:
+    """For an actor's own process on CPU (and the engine processes it starts): vLLM's few `torch.compile`d
+    helpers (the sampled token's rank for the log-probs, top-k/top-p sampling) run eagerly. Inductor would
+    compile them at every engine's first generate: 3.7 s of a core from a warm compile cache and 21 s from a
+    cold one, on the idle Xeon, for code no faster than eager at these sizes (0.06-0.08 s a generate call
+    either way); the model itself is never compiled on CPU (`enforce_eager`). Not for a process that also
+    trains: it turns torch.compile off in the whole process."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read by torch at import: the engine core and TP workers
+
+
 def configure_vllm_env(cfg: EngineConfig, on_cpu: bool) -> None:
     """Environment vLLM reads when an engine starts; call before creating one."""
     if on_cpu:

@@ -174,6 +174,10 @@ def _shard_process(shard: int, cores: set[int] | None, gpus: str | None, job: Ev
     from exgrpo_async.logs import setup_logging
 
     setup_logging("eval", str(shard))
+    if gpus is None:
+        from actors.engine import no_compiling_on_cpu
+
+        no_compiling_on_cpu()
     try:
         out.put((shard, run_shard(job, prompts, golds, results), None))
     except BaseException:

@@ -41,7 +41,10 @@ def main(learner_address: str | None, cpu_cores: list[int] | None, keys_dir: str
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
+        from actors.engine import no_compiling_on_cpu
+
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        no_compiling_on_cpu()
     address = learner_address
     if address is None:  # the learner may still be starting: import vLLM meanwhile (see the docstring)
         from actors.engine import preload_vllm
@@ -57,8 +60,14 @@ def run_eval(cfg: RunConfig, model: str, files: list[str], samples: int, tempera
              limit: int | None, actors: int, seed: int, out: Path | None, save_completions: bool) -> int:
     """`exgrpo-async eval`: score `model` on `files` with `actors` engines, write the report (to `out`, or
     beside the model) and print its table; 2 with the reason for data or a model it cannot evaluate."""
+    import torch
+
+    from actors.engine import no_compiling_on_cpu
     from actors.evaluate import EvalError, default_out, evaluate, format_table, write_report
     from exgrpo_async.data import DataError
+
+    if not torch.cuda.is_available():  # this process only evaluates (its engines may run here: --actors 1)
+        no_compiling_on_cpu()
 
     try:
         report = evaluate(cfg, model, files, samples, temperature, max_tokens, limit, actors, seed)

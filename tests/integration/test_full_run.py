@@ -50,12 +50,14 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
     fixtures pin fp32; on an AVX2-only CPU bf16 autocast is 7 times fp32's time, and the bf16 step is
     tested there by tests/integration/test_learner_ranks.py)."""
     out = tmp_path_factory.mktemp("exgrpo_run") / "runs"
+    inductor = out.parent / "inductor"  # Inductor's cache: what the run's processes compiled (nothing, on CPU)
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
                                f"data.eval_file={eval_slice(small, out.parent)}",
                                'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline",
                                f"learner.mixed_precision={RUN_PRECISION}", "exgrpo.enabled=true",
                                f"exgrpo.start_threshold={START}", "learner.questions_per_step=16"]),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
     return proc, run_dir
@@ -107,6 +109,11 @@ def test_train_runs_end_to_end(exgrpo_run):
     assert wb[STEPS]["eval/accuracy"] == summary["after"]["accuracy"]
     # vLLM's start-up noise stays out of the user's terminal (`--log-level debug` shows it)
     assert "set_num_threads" not in proc.stderr and "LD_PRELOAD" not in proc.stderr
+    # nothing was compiled: the learner's regions are eager on CPU ("auto"), and the actors run vLLM's
+    # torch.compile'd helpers eagerly (actors/engine.py `no_compiling_on_cpu`: Inductor took 3.7-21 s of each
+    # engine's first generate)
+    compiled = [p.name for p in (run_dir.parent.parent / "inductor").rglob("*") if p.suffix in (".so", ".cpp", ".py")]
+    assert not compiled, compiled
 
 
 def test_stream_actors_train_through_a_corrupted_weight_load_and_verifier_timeouts(small, tmp_path):
