@@ -99,3 +99,15 @@ def held_out(toy, tmp_path_factory) -> Path:
 def small(toy, held_out) -> list[str]:
     return [*TOY, "learner.questions_per_step=8", "rollout.samples_per_question=4", "rollout.questions_per_request=4",
             "rollout.eval_samples=1", f"data.eval_file={held_out}", *PINNED_PRECISION]
+
+
+@pytest.fixture
+def as_in_an_actor_process(monkeypatch):
+    """For a test that runs vLLM engines in its own process: what an actor's process sets on CPU
+    (actors/engine.py `no_compiling_on_cpu`: vLLM's compiled helpers run eagerly, here and in the
+    engine's child processes), undone after the test, so a later test of this worker still compiles."""
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    with torch._dynamo.config.patch(disable=True):
+        yield

@@ -23,7 +23,8 @@ from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.weight_sync import WeightPublisher
 from tests.integration.test_weight_sync_vllm import LONG, SHORT, hf_greedy, hf_logprobs
 
-pytestmark = pytest.mark.slow  # a vLLM AsyncLLM engine: about 60 s
+pytestmark = [pytest.mark.slow,  # a vLLM AsyncLLM engine: about 60 s
+              pytest.mark.usefixtures("as_in_an_actor_process")]
 
 
 def perturb(model, scale: float = 0.05) -> None:

@@ -21,6 +21,8 @@ from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.fingerprint import mismatched
 from exgrpo_async.weight_sync import WeightPublisher
 
+pytestmark = pytest.mark.usefixtures("as_in_an_actor_process")  # vLLM engines in this process
+
 SHORT = ["<bos>12+34=", "<bos>7*8=", "<bos>99-45=", "<bos>3+4*5="]
 LONG = ["<bos>" + "1234567890+" * 14 + "5=", "<bos>" + "9876543210-" * 13 + "7="]  # > 128 tokens
 
