@@ -41,3 +41,29 @@ def test_too_few_windows_give_no_slope(soak):
     out = soak.window_slopes(_samples(lambda t: 800.0)[:100], 300, 300)  # 500 s: one whole window after warm-up
     assert out["slopes"] == {"peak": None, "median": None, "floor": None}
     assert soak.window_slopes([], 300, 300)["slopes"]["peak"] is None
+
+
+def test_a_kill_waits_for_an_actor_that_has_joined(soak, tmp_path):
+    """The soak kills or freezes only an actor the learner said joined (its log's "joined from ... (pid P)"):
+    one still starting holds no work and is never presumed dead, so the books it checks would not follow."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        actors = [psutil.Process(p.pid) for p in procs]
+        log = tmp_path / "train.log"
+        log.write_text(f"12:00:00 INFO [learner] x: actor-1 joined from 'vm' (pid {procs[1].pid})\n")
+        assert soak.joined_pids(log) == {procs[1].pid}
+        schedule = soak.Schedule("tcp://127.0.0.1:1", 15.0, tmp_path)
+        schedule.next(10.0, actors, set())  # none joined yet: the kill waits
+        assert schedule.done == [] and all(p.poll() is None for p in procs)
+        schedule.next(12.0, actors, soak.joined_pids(log))
+        assert schedule.done == [{"t": 12.0, "event": "kill"}]
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL and procs[0].poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

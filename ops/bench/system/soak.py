@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,11 @@ def roles(launcher: psutil.Process) -> tuple[psutil.Process | None, list[psutil.
         elif "actor" in cmd:
             actors.append(child)
     return learner, actors
+
+
+def joined_pids(log: Path) -> set[int]:
+    """The pids the learner said joined ("actor-N joined from 'host' (pid P)"), from the run's log."""
+    return {int(m) for m in re.findall(r" joined from .*\(pid '?(\d+)'?\)", log.read_text(errors="replace"))}
 
 
 def rss_mb(p: psutil.Process) -> float | None:
@@ -115,10 +121,16 @@ class Schedule:
                 pass
             self.frozen = None
 
-    def next(self, t: float, actors: list[psutil.Process]) -> None:
+    def next(self, t: float, actors: list[psutil.Process], joined: set[int]) -> None:
+        """The cycle's next event. A kill or freeze waits (asked again at the next sample) while no actor has
+        joined the learner yet: one still starting on a starved CPU holds no work, and the learner never
+        hears of it, so nothing the soak checks would follow (2026-11-28: killed 10 s after its start)."""
         kind = CYCLE[self.n % len(CYCLE)]
+        ready = [a for a in actors if a.pid in joined]
+        if kind in ("kill", "freeze") and actors and not ready:
+            return
         self.n += 1
-        target = actors[self.n % len(actors)] if actors else None
+        target = ready[self.n % len(ready)] if ready else None
         if kind == "kill" and target is not None:
             target.send_signal(signal.SIGKILL)
         elif kind == "freeze" and target is not None and self.frozen is None:
@@ -191,7 +203,7 @@ def main() -> None:
                 schedule.thaw(time.time())
                 # no event in the last every/2 seconds, so that training is seen to go on after the last one
                 if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
-                    schedule.next(t, actors)
+                    schedule.next(t, actors, joined_pids(out / "train.log"))
                 steps = (run / "metrics.jsonl").read_text().count("\n")
                 procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])
                 samples.append({"t": round(t, 1), "steps": steps, "learner_mb": rss_mb(learner) if learner else None,
