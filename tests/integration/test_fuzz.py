@@ -205,6 +205,11 @@ def test_fuzzing_a_training_run_with_a_stalled_peer(small, tmp_path):
         while not list(out.glob("run-*/metrics.jsonl")) or not (next(out.glob("run-*")) / "metrics.jsonl").stat().st_size:
             assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
             time.sleep(0.3)
+        # and both actors have said hello (at nice 10 on a starved CPU the second can take a minute: the
+        # AVX2-only pace, 2026-11-28), so that every hello after this is the fuzzer's
+        while log_path.read_text().count(" joined from ") < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
+            time.sleep(0.3)
         run_dir = next(out.glob("run-*"))
         address = json.loads((run_dir / "learner.json").read_text())["address"]
         seen = []
@@ -223,6 +228,12 @@ def test_fuzzing_a_training_run_with_a_stalled_peer(small, tmp_path):
         done_at = len(rows())
         assert proc.poll() is None, "training ended before the fuzzer did: raise the cap"
         assert seen[-1] - seen[0] >= 9, seen
+        # the stalled peer is presumed dead 10 s after its group (transport.actor_timeout_s): a run this short
+        # (12 steps in 14 s on the idle Xeon, its actors compiling nothing) may be over before that
+        deadline = time.monotonic() + 60
+        while f"{stuck_id} silent for" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_excerpt(log_path)
+            time.sleep(0.3)
         (run_dir / "STOP").touch()  # ends the run after its current step, as max_steps would
         proc.wait(timeout=600)
         elapsed = time.monotonic() - t0

@@ -43,9 +43,10 @@ def test_too_few_windows_give_no_slope(soak):
     assert soak.window_slopes([], 300, 300)["slopes"]["peak"] is None
 
 
-def test_a_kill_waits_for_an_actor_that_has_joined(soak, tmp_path):
-    """The soak kills or freezes only an actor the learner said joined (its log's "joined from ... (pid P)"):
-    one still starting holds no work and is never presumed dead, so the books it checks would not follow."""
+def test_a_kill_waits_for_an_actor_that_serves(soak, tmp_path):
+    """The soak kills or freezes only an actor serving the learner (its log: "actor-N joined from ... (pid P)",
+    then "actor-N: weight-sync group of ..."): one still starting its engine holds no work and is not presumed
+    dead for transport.join_timeout_s, so the books the soak checks would not follow."""
     import signal
     import subprocess
 
@@ -55,12 +56,16 @@ def test_a_kill_waits_for_an_actor_that_has_joined(soak, tmp_path):
     try:
         actors = [psutil.Process(p.pid) for p in procs]
         log = tmp_path / "train.log"
-        log.write_text(f"12:00:00 INFO [learner] x: actor-1 joined from 'vm' (pid {procs[1].pid})\n")
-        assert soak.joined_pids(log) == {procs[1].pid}
+        log.write_text(f"12:00:00 INFO [learner] x: actor-1 joined from 'vm' (pid {procs[1].pid})\n"
+                       f"12:00:00 INFO [learner] x: actor-2 joined from 'vm' (pid {procs[0].pid})\n")
+        assert soak.serving_pids(log) == set()  # joined, engines starting
         schedule = soak.Schedule("tcp://127.0.0.1:1", 15.0, tmp_path)
-        schedule.next(10.0, actors, set())  # none joined yet: the kill waits
+        schedule.next(10.0, actors, soak.serving_pids(log))  # none serves yet: the kill waits
         assert schedule.done == [] and all(p.poll() is None for p in procs)
-        schedule.next(12.0, actors, soak.joined_pids(log))
+        with log.open("a") as f:
+            f.write("12:00:05 INFO [learner] x: actor-1: weight-sync group of 2 (tensor parallel 1)\n")
+        assert soak.serving_pids(log) == {procs[1].pid}
+        schedule.next(12.0, actors, soak.serving_pids(log))
         assert schedule.done == [{"t": 12.0, "event": "kill"}]
         assert procs[1].wait(timeout=10) == -signal.SIGKILL and procs[0].poll() is None
     finally:

@@ -59,9 +59,13 @@ def roles(launcher: psutil.Process) -> tuple[psutil.Process | None, list[psutil.
     return learner, actors
 
 
-def joined_pids(log: Path) -> set[int]:
-    """The pids the learner said joined ("actor-N joined from 'host' (pid P)"), from the run's log."""
-    return {int(m) for m in re.findall(r" joined from .*\(pid '?(\d+)'?\)", log.read_text(errors="replace"))}
+def serving_pids(log: Path) -> set[int]:
+    """The pids of actors serving the learner: it said they joined ("actor-N joined from 'host' (pid P)") and
+    formed their weight-sync group ("actor-N: weight-sync group of ..."), their engine up; from the run's log."""
+    text = log.read_text(errors="replace")
+    joined = dict(re.findall(r"(actor-\d+) joined from .*\(pid '?(\d+)'?\)", text))
+    grouped = set(re.findall(r"(actor-\d+): weight-sync group of", text))
+    return {int(pid) for actor, pid in joined.items() if actor in grouped}
 
 
 def rss_mb(p: psutil.Process) -> float | None:
@@ -121,12 +125,13 @@ class Schedule:
                 pass
             self.frozen = None
 
-    def next(self, t: float, actors: list[psutil.Process], joined: set[int]) -> None:
-        """The cycle's next event. A kill or freeze waits (asked again at the next sample) while no actor has
-        joined the learner yet: one still starting on a starved CPU holds no work, and the learner never
-        hears of it, so nothing the soak checks would follow (2026-11-28: killed 10 s after its start)."""
+    def next(self, t: float, actors: list[psutil.Process], serving: set[int]) -> None:
+        """The cycle's next event. A kill or freeze waits (asked again at the next sample) while no actor
+        serves the learner: one still starting its engine on a starved CPU holds no work and has
+        `transport.join_timeout_s`, so it is not presumed dead and nothing the soak checks would follow
+        (2026-11-28, the AVX2-only pace: one killed 10 s after its start, one frozen before its group)."""
         kind = CYCLE[self.n % len(CYCLE)]
-        ready = [a for a in actors if a.pid in joined]
+        ready = [a for a in actors if a.pid in serving]
         if kind in ("kill", "freeze") and actors and not ready:
             return
         self.n += 1
@@ -203,7 +208,7 @@ def main() -> None:
                 schedule.thaw(time.time())
                 # no event in the last every/2 seconds, so that training is seen to go on after the last one
                 if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
-                    schedule.next(t, actors, joined_pids(out / "train.log"))
+                    schedule.next(t, actors, serving_pids(out / "train.log"))
                 steps = (run / "metrics.jsonl").read_text().count("\n")
                 procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])
                 samples.append({"t": round(t, 1), "steps": steps, "learner_mb": rss_mb(learner) if learner else None,
