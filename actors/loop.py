@@ -104,7 +104,8 @@ def run(learner_address: str, on_cpu: bool, request_timeout_s: float = 300.0, ke
             metrics.close()
 
 
-def start_engine_unless_told_to_stop(cfg: RunConfig, actor_id: str, on_cpu: bool, heartbeat: Heartbeat):
+def start_engine_unless_told_to_stop(cfg: RunConfig, actor_id: str, on_cpu: bool,
+                                     heartbeat: Heartbeat) -> tuple[BatchEngine | None, Verifier | None]:
     """The engine and verifier; (None, None) when the learner's run ended while the engine was starting (its
     answer to a heartbeat): the start is cut short, and the actor ends as a stopped one, at once."""
     try:
