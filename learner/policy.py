@@ -128,13 +128,14 @@ class Policy:
         self.bf16 = L.mixed_precision == "bf16"
         self.attention = attention.resolve(L.attention, device, self.bf16)
         self.compiled = compiled.resolve(L.compile, device, L.gradient_checkpointing, self.attention)
-        # checkpointed layers compiled whole: the checkpoint in their graph, the attention one traceable op
-        in_graph = self.compiled.layers and L.gradient_checkpointing
+        # compiled layers take the attention into their graph as one traceable op where it pays, and must
+        # under checkpointing (the checkpoint sits in the graph)
+        in_graph = compiled.attention_in_graph(self.compiled, L.gradient_checkpointing, self.attention)
         attention.use(self.model, self.attention, traceable=in_graph)
         if L.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compiled.layers:
-            compiled.compile_layers(self.model, checkpointed=in_graph)
+            compiled.compile_layers(self.model, checkpointed=L.gradient_checkpointing)
         # one rank computing in bf16: its matmuls' weights cast once per update (learner/maths/working_weights.py);
         # sharded ranks gather theirs in bf16 (`shard`)
         self.working = WorkingWeights(self.model) if self.bf16 and ranks.world == 1 else None

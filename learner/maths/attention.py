@@ -211,9 +211,11 @@ def per_sequence_attention(module, query, key, value, attention_mask, scaling=No
 # ------------------------------------------------------------------------ the traceable variants
 # A layer compiled with its activation checkpoint inside its graph (learner/maths/compiled.py, "under
 # checkpointing") cannot break its graph at the attention kernel, as the functions above do (they read
-# the segments' boundaries on the host). Their traceable variants read nothing on the host:
+# the segments' boundaries on the host); a compiled layer without checkpointing runs "varlen" in its graph
+# too (`attention_in_graph` there). Their traceable variants read nothing on the host:
 # - varlen: the same kernel (torch's `varlen_attn` is a custom operator the compiler keeps whole), with the
-#   row width as the longest-segment bound (the kernel's grid: blocks past a segment's end do nothing);
+#   row width as the longest-segment bound (the kernel's grid: blocks past a segment's end do nothing; on
+#   an H200 a 16k row's forward and backward took 3% longer so, ops/bench/gpu/gpu_kernels.py);
 # - per_sequence: one SDPA call per row with a block-diagonal causal mask built on the device from the
 #   segments (the CPU rehearsal's kernel; W^2 work per row, as "sdpa" does).
 

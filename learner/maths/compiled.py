@@ -6,9 +6,10 @@ their softmax for log-probs and entropy). `torch.compile` fuses those into few k
 - each decoder layer's `forward` is compiled in place (parameter names and FSDP2's hooks stay as they
   are and run eagerly around it; all layers share the graphs, compiled with dynamic shapes, so new row
   widths and sequence counts reuse them, a few shape ranges aside);
-- without checkpointing the attention kernels of learner/maths/attention.py are excluded from the graph
-  (`torch.compiler.disable`): the packed segments reach them unseen by the compiler, so new segment
-  boundaries do not recompile (under checkpointing, their traceable variants: below);
+- the attention: "varlen" runs its traceable variant inside the layer's graph (`attention_in_graph`: the
+  same flash kernel, the segments passed as tensors, so new segment boundaries do not recompile);
+  "per_sequence" without checkpointing stays outside the graph (`torch.compiler.disable`: it reads the
+  segments' boundaries on the host), its traceable variant only under checkpointing (below);
 - the head's per-chunk log-prob and entropy (learner/maths/grpo.py) is compiled with its activation checkpoint
   inside the graph, so the recompute in its backward is part of the same compiled graph.
 "auto" on a CUDA learner compiles the head and the layers (checkpointed ones as below, given a traceable
@@ -81,6 +82,15 @@ def resolve(setting: str, device: torch.device, checkpointing: bool, attention: 
     auto = setting == "auto" and device.type == "cuda"
     layers_auto = auto and (not checkpointing or (CHECKPOINTED_AUTO and traceable))
     return Regions(layers=setting == "on" or layers_auto, head=setting in ("on", "head") or auto)
+
+
+def attention_in_graph(regions: Regions, checkpointing: bool, attention: str) -> bool:
+    """Whether compiled decoder layers take the attention into their graph (the kernel's traceable variant,
+    learner/maths/attention.py `use(..., traceable=True)`): always under checkpointing (the checkpoint sits
+    inside the layer's graph); without it for "varlen", whose traceable call is the same kernel (one graph
+    per layer instead of two around an eager call: the 1.5B step 2.8% faster on an H200, docs/benchmarks.md),
+    not for "per_sequence", whose traceable variant attends over whole rows under a mask (W^2 work)."""
+    return regions.layers and (checkpointing or attention == "varlen")
 
 
 def compile_layers(model: torch.nn.Module, checkpointed: bool = False) -> int:

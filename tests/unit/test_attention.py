@@ -117,3 +117,44 @@ def test_start_up_check_passes_varlen_on_gpu():
     model = build_model(0).to(dev).eval()
     attention.use(model, "varlen")
     check_no_cross_attention(model, model.config.vocab_size, dev, bf16=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_inside_compiled_layers_takes_the_eager_kernels_steps_on_gpu():
+    """Compiled layers without checkpointing run varlen inside their graph (learner/maths/compiled.py
+    `attention_in_graph`): the packed rows' log-probs and gradients are the eager kernel's, and a second
+    layout (other widths and segments) compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    from learner.maths import compiled
+
+    dev = torch.device("cuda")
+    seqs = _seqs()
+    prompts, comps = [s.prompt for s in seqs], [s.completion for s in seqs]
+    # widths and row counts apart from the toy's sizes (head_dim 64...): the compiler would take an equal
+    # width for the same size ("duck sizing") and compile again for the next one
+    rows = [pack_rows(prompts, comps, 0, max_tokens=48), pack_rows(prompts[1:], comps[1:], 0, max_tokens=40)]
+    got = []
+    for in_graph in (False, True):
+        torch._dynamo.reset()
+        model = build_model(0).to(dev).train()
+        attention.use(model, "varlen", traceable=in_graph)
+        if in_graph:
+            compiled.compile_layers(model)
+        out = []
+        for r in rows:
+            model.zero_grad(set_to_none=True)
+            lp = rows_logprobs(model, r, dev, 1.0, bf16=True)
+            lp.float().sum().backward()
+            out.append((lp.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()
+                                                     if p.grad is not None}))
+            if in_graph and r is rows[0]:
+                graphs = counters["stats"]["unique_graphs"]
+        if in_graph:
+            assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs  # the second layout reused them
+        got.append(out)
+    for (lp_e, g_e), (lp_c, g_c) in zip(*got):
+        torch.testing.assert_close(lp_c, lp_e, rtol=0, atol=0.05)  # bf16 compute, fused kernels
+        for n, g in g_e.items():
+            torch.testing.assert_close(g_c[n], g, rtol=0.05, atol=0.05 * float(g.abs().max()) + 1e-6, msg=n)

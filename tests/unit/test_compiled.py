@@ -31,6 +31,12 @@ def test_the_setting_resolves_per_device_and_checkpointing():
     load_config(None, ["learner.compile=on", "learner.gradient_checkpointing=true", "learner.attention=per_sequence"])
     with pytest.raises(ValueError, match="no .model.layers"):
         compiled.compile_layers(torch.nn.Linear(2, 2))
+    # the attention in the compiled layers' graph: under checkpointing always, without it for varlen only
+    both, head = R(True, True), R(False, True)
+    assert compiled.attention_in_graph(both, True, "per_sequence") and compiled.attention_in_graph(both, True, "varlen")
+    assert compiled.attention_in_graph(both, False, "varlen")
+    assert not compiled.attention_in_graph(both, False, "per_sequence") and not compiled.attention_in_graph(both, False, "sdpa")
+    assert not compiled.attention_in_graph(head, True, "varlen") and not compiled.attention_in_graph(head, False, "varlen")
 
 
 @pytest.mark.slow  # inductor compiles the learner's regions: 54-77 s on an AVX2-only CPU
