@@ -38,6 +38,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
         for backend in ("sdpa", "per_sequence"):
             assert res["attention"][mix][backend]["max_abs_dlogp_vs_alone"] < 1e-4
     assert res["attention"]["start_up_check_per_sequence"] == "passed"
+    assert res["kernels"]["sdpa_per_sequence"]["fwd_bwd_ms"] > 0  # the code path only on CPU (ops/bench/gpu/gpu_kernels.py)
     assert res["fingerprint"]["all_exact"] is True
     steps = {k: v for k, v in res["step_1.5b"].items() if isinstance(v, dict)}
     assert len(steps) == 7 and all(v["tokens_per_s"] > 0 for v in steps.values())  # FSDP2 compiled without
@@ -80,3 +81,14 @@ def test_sync_section_plans_every_shipped_config():
     for c in configs:
         if "8gpu" in c:  # written for 8 GPUs: planned there, a table of its processes
             assert not got[f"{c} on 8"].startswith(("refused", "CPU run")) and "GPU" in got[f"{c} on 8"], got
+
+
+def test_kernels_section_draws_rows_and_counts_causal_work():
+    """ops/bench/gpu/gpu_kernels.py's pure parts: the row's sequences fill it exactly, and the causal FLOPs
+    are the lower triangle's (2 L^2 d h forward, 2.5 times that backward)."""
+    k = load_bench("gpu/gpu_kernels")
+    lengths = k.row_lengths(16384, (100, 600), (200, 3072), seed=5)
+    assert sum(lengths) == 16384 and len(lengths) > 3 and max(lengths) <= 3672
+    assert k.row_lengths(16384, (100, 600), (200, 3072), seed=5) == lengths  # seeded
+    fwd, bwd = k.causal_flops([3, 5], heads=2, dim=4)
+    assert (fwd, bwd) == (2 * (9 + 25) * 4 * 2, 2.5 * 2 * (9 + 25) * 4 * 2)

@@ -10,9 +10,12 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
  3. nccl       a one-rank NCCL group as weight sync builds it: a 256 MB broadcast, completion polling, abort
  4. attention  a packed 16k-token row at the 1.5B width: each backend against every sequence alone
                (max |d logp|), forward+backward ms, peak memory, the kernels the profiler saw
- 5. fingerprint  the fingerprint's one-hot probes through cuBLAS against the publisher's arithmetic, bit for bit
- 6. head       the output head over 16k positions at chunk sizes 512-4096: ms and peak memory
- 7. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
+ 5. kernels    one packed 16k row of the 1.5B attention through each kernel this torch has (FlashAttention-2
+               with the longest segment and with the row's width as bound, cuDNN's variable-length kernel,
+               cuDNN and flash SDPA per sequence): ms, TFLOP/s, agreement (ops/bench/gpu/gpu_kernels.py)
+ 6. fingerprint  the fingerprint's one-hot probes through cuBLAS against the publisher's arithmetic, bit for bit
+ 7. head       the output head over 16k positions at chunk sizes 512-4096: ms and peak memory
+ 8. step_1.5b  the learner's own `update_policy` at the Qwen2.5-Math-1.5B shape on both real wrappers
                (one rank unsharded under autocast, as the 1.5B config trains; FSDP2, as the 7B ranks
                do), sdpa against varlen attention, foreach against fused AdamW, with and without bf16
                working weights (learner/maths/working_weights.py, "_ww"), eager against compiled regions
@@ -21,18 +24,18 @@ Sections run cheap and crash-prone first; each one's figures (or its traceback) 
                phase times, peak memory against learner/maths/memory_model.py, MFU counted two ways, the
                compiled variants' warm-up (until a step compiles nothing new), and each variant's first
                step (the same batch) against the eager one's ("match_vs_eager")
- 8. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
+ 9. profile    the 1.5B step's GPU time by kernel category, eager and compiled, with its synchronising
                calls by line and the device's idle time by what launched the kernel after it
                (ops/bench/gpu/gpu_gaps.py; the traces gzipped beside the JSON), and the layers compiled
                under checkpointing (its error, if any: new on a GPU). Variants measured
                before that no config runs go only when `--variants` names them (ON_REQUEST in the sections)
- 9. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
+10. memory_7b  the 7B shape with a few layers under FSDP2: peak against the memory model at that depth,
                the publisher's buffer sets after two publishes, the lead's projected peak at 28 layers
-10. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on
+11. load       the learner ranks' load (the meta-device model, sharded, filled from rank 0's broadcast) on
                this rank's NCCL group, against the model read onto the GPU whole: exact, seconds, peaks
-11. sync       ops/bench/gpu/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
+12. sync       ops/bench/gpu/gpu_sync_check.py: the planner on this machine's devices; publish GB/s; the
                receive-buffer hazard (a loader keeping a view past the next bucket) on CUDA streams
-12. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
+13. stall      a two-rank NCCL group whose peer never comes: whether the first broadcast blocks the
                host, and whether weight sync's deadline frees it (last: it may leave a thread stuck)
 
     ops/gpu-check --out OUT                      # on the GPU machine (PYTHONUNBUFFERED, wheels, this file)
@@ -55,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: benc
 import bench  # noqa: E402  (the repository importable: on a bare GPU machine nothing is installed)
 import gpu_check_sections as sec  # noqa: E402
 
-SECTIONS = ["env", "imports", "nccl", "attention", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "load",
+SECTIONS = ["env", "imports", "nccl", "attention", "kernels", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "load",
             "sync", "stall"]
 
 

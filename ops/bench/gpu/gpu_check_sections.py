@@ -20,6 +20,7 @@ from pathlib import Path
 
 import gpu_gaps
 import torch
+from gpu_kernels import kernels  # noqa: F401  (section 5, "kernels": its own file)
 
 from learner.maths.memory_model import QWEN25_7B, QWEN25_15B, Shape, qwen2_config, rank_bytes
 
@@ -43,7 +44,10 @@ ON_REQUEST = ("fsdp2_varlen_fused_compiled_no_ckpt", "fsdp2_per_sequence_fused_c
               # within 8 minutes
               "unsharded_sdpa_foreach", "unsharded_varlen_foreach", "unsharded_varlen_fused",
               "unsharded_varlen_fused_compiled_no_ckpt", "unsharded_varlen_fused_compiled_head_ww",
-              "fsdp2_varlen_fused_compiled_head")
+              "fsdp2_varlen_fused_compiled_head",
+              # the layers compiled whole without checkpointing with per_sequence attention (its traceable
+              # variant attends over whole rows; no config runs it: learner/maths/compiled.py `attention_in_graph`)
+              "unsharded_per_sequence_fused_compiled_whole")
 
 
 class Context:
@@ -150,6 +154,10 @@ def env(ctx: Context) -> dict:
         r["varlen_attn"] = str(inspect.signature(varlen_attn))
     except ImportError as e:
         r["varlen_attn"] = f"missing: {e}"
+    import torch._inductor.config as inductor
+
+    r["inductor"] = {"coordinate_descent_tuning": inductor.coordinate_descent_tuning,
+                     "max_autotune": inductor.max_autotune}
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         r["flex_attention"] = True
@@ -401,8 +409,9 @@ def _row_widths(batch: list, cfg, budget: int) -> list[int]:
 def step_15b(ctx: Context) -> dict:
     """`update_policy` at the 1.5B shape (packed 16k rows, 2 mini-batches) on each wrapper, attention
     backend and AdamW, with and without bf16 working weights, eager (gradient checkpointing) and compiled
-    (learner/maths/compiled.py: without checkpointing, as configs/qwen2.5-math-1.5b-8gpu.toml trains; the head
-    alone; the layers with their checkpoint inside their graphs)."""
+    (learner/maths/compiled.py: without checkpointing, the attention outside the layers' graphs ("_no_ckpt")
+    or inside them ("_whole": as configs/qwen2.5-math-1.5b-8gpu.toml trains on a GPU); the head alone; the
+    layers with their checkpoint inside their graphs)."""
     from learner.maths import attention as att
     from learner.maths.grpo import LogProbs
     from learner.policy import param_groups, shard
@@ -427,7 +436,7 @@ def step_15b(ctx: Context) -> dict:
                 ("unsharded", fast, True, True, False), ("unsharded", fast, True, True, ww),
                 ("unsharded", fast, True, "head", ww), ("unsharded", fast, True, "ckpt", ww),
                 ("fsdp2", fast, True, False, False), ("fsdp2", fast, True, True, False),
-                ("fsdp2", fast, True, "head", False)]
+                ("fsdp2", fast, True, "head", False), ("unsharded", fast, True, "whole", ww)]
     if ctx.cuda:  # on CPU (torch 2.13, gloo) FSDP2's compiled checkpointed layers meet an Inductor input
         # assertion ("expected size 10==2") in the no-grad pass; on the H200 (torch 2.11) they ran and matched
         variants.append(("fsdp2", fast, True, "ckpt", False))
@@ -437,7 +446,8 @@ def step_15b(ctx: Context) -> dict:
     # compiled: learner/maths/compiled.py's regions, layers and head without gradient checkpointing, the head
     # alone with checkpointing, or both with the checkpoint inside each layer's graph ("ckpt": what
     # learner.compile "auto" runs with checkpointing now)
-    suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head", "ckpt": "_compiled_ckpt"}
+    suffix = {False: "", True: "_compiled_no_ckpt", "head": "_compiled_head", "ckpt": "_compiled_ckpt",
+              "whole": "_compiled_whole"}
     names = lambda v: f"{v[0]}_{v[1]}_{'fused' if v[2] else 'foreach'}{suffix[v[3]]}{'_ww' if v[4] else ''}"  # noqa: E731
     variants = list({names(v): v for v in variants if ctx.wants(names(v))}.values())  # on CPU "_ww" is off
     for wrapper, backend, fused, compile_it, working in variants:
@@ -448,14 +458,14 @@ def step_15b(ctx: Context) -> dict:
         else:
             _working(model, forward, working)
         _compiled(model, forward, compile_it)
-        if compile_it is True:
+        if compile_it in (True, "whole"):
             model.gradient_checkpointing_disable()
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_it == "ckpt":
             for layer in model.model.layers:  # the checkpoint is inside each compiled layer (learner/maths/compiled.py)
                 layer.gradient_checkpointing = False
-        att.use(model, backend, traceable=compile_it == "ckpt")
+        att.use(model, backend, traceable=compile_it in ("ckpt", "whole"))
         opt = torch.optim.AdamW(param_groups(model), lr=cfg.learner.lr, betas=(0.9, 0.999), weight_decay=0.01,
                                 fused=fused and ctx.cuda)
         seqs = lambda k: _seqs(4, 8, s.vocab, prompt, comp, k)  # noqa: E731
@@ -463,7 +473,7 @@ def step_15b(ctx: Context) -> dict:
         try:
             r[name] = _timed_step(ctx, s, cfg, forward, opt, seqs, ranks, budget, backend, compile_it)
         except Exception as e:  # noqa: BLE001 (new on a GPU: its error is the finding; the variants after go on)
-            if compile_it != "ckpt":
+            if compile_it not in ("ckpt", "whole"):
                 raise
             r[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
             ctx.partial("step_1.5b", r)
@@ -568,7 +578,7 @@ def _compiled(model, forward, on: bool | str) -> None:
 
     for layer in model.model.layers:  # eager first (a former variant may have compiled them another way)
         vars(layer).pop("forward", None)
-    if on in (True, "ckpt"):
+    if on in (True, "ckpt", "whole"):  # "whole": no checkpoint, the attention traceable (in the graph)
         compiled.compile_layers(model, checkpointed=on == "ckpt")
     forward.compile_head(bool(on))
 
@@ -630,7 +640,8 @@ def profile(ctx: Context) -> dict:
         if compile_it == "ckpt":
             for layer in model.model.layers:  # the checkpoint is inside each compiled layer
                 layer.gradient_checkpointing = False
-        att.use(model, backend, traceable=compile_it == "ckpt")
+        # as the 1.5B config runs (learner/maths/compiled.py `attention_in_graph`): varlen in the layers' graph
+        att.use(model, backend, traceable=compile_it == "ckpt" or (compile_it is True and backend == "varlen"))
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
         probe = name == "compiled_checkpointing"  # new on a GPU: its time, or the error it met
         try:
@@ -655,7 +666,7 @@ def profile(ctx: Context) -> dict:
                        "graphs_compiled_while_timed": _graphs() - graphs_warm}
             if name in ("checkpointing_chunk_auto", "compiled_no_checkpointing", "compiled_checkpointing"):
                 if ctx.cuda:
-                    r[f"kernel_time_by_category{'_compiled' if compile_it else ''}"] = _by_category(lambda: step(99))
+                    r[f"kernel_time_{name}"] = _by_category(lambda: step(99))
                 r[f"host_syncs_{name}"] = gpu_gaps.sync_sites(lambda: step(98))
                 keep = ctx.out / f"trace-{name}.json.gz" if ctx.out is not None else None
                 r[f"idle_{name}"] = gpu_gaps.idle_gaps(gpu_gaps.trace_of(lambda: step(97), keep))
@@ -671,7 +682,7 @@ def profile(ctx: Context) -> dict:
     return r
 
 
-def _by_category(fn) -> dict:
+def _by_category(fn, top: int = 40) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof_
 
@@ -679,17 +690,17 @@ def _by_category(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
-    top: dict[str, float] = {}
+    tops: dict[str, float] = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", 0) / 1e3
         if t <= 0:
             continue
         c = _category(e.key)
         totals[c] = totals.get(c, 0.0) + t
-        top[e.key[:80]] = t
+        tops[e.key[:120]] = tops.get(e.key[:120], 0.0) + t
     whole = sum(totals.values())
     return {"total_ms": whole, "share": {c: round(t / whole, 3) for c, t in sorted(totals.items(), key=lambda x: -x[1])},
-            "top_kernels_ms": dict(sorted(top.items(), key=lambda x: -x[1])[:12])}
+            "top_kernels_ms": dict(sorted(tops.items(), key=lambda x: -x[1])[:top])}
 
 
 # ---------------------------------------------------------------------------------------- 8. memory_7b
@@ -718,7 +729,7 @@ def memory_7b(ctx: Context) -> dict:
 
     ckpt = cfg.learner.gradient_checkpointing
     regions = compiled.resolve(cfg.learner.compile, ctx.device, ckpt, backend)  # as the config runs
-    att.use(model, backend, traceable=regions.layers and ckpt)
+    att.use(model, backend, traceable=compiled.attention_in_graph(regions, ckpt, backend))
     if regions.layers:
         compiled.compile_layers(model, checkpointed=ckpt)
     forward = shard(model, "bf16", regions.head)
