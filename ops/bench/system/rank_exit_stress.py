@@ -30,6 +30,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,6 +133,15 @@ def bare_round(ending: str, model: Path, timeout_s: float) -> dict:
             "tail": text[-2000:]}
 
 
+def fresh_round_folder(out: Path, i: int) -> Path:
+    """Round i's folder, emptied: an earlier invocation's run left there would be read as this round's
+    steps (a "sigterm" round then signals train at once and reads its exit as wrong)."""
+    folder = out / f"round-{i:03d}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    return folder
+
+
 def one_round(ending: str, out: Path, timeout_s: float) -> dict:
     """Run one `train` that ends as `ending` says; its verdict."""
     steps = {"actor_lost": 5, "lead_busy": 3, "sigterm": 100000}[ending]
@@ -197,8 +207,7 @@ def main() -> int:
     rounds = []
     for i in range(args.rounds):
         ending = endings[i % len(endings)]
-        folder = out / f"round-{i:03d}"
-        folder.mkdir(exist_ok=True)
+        folder = fresh_round_folder(out, i)
         r = bare_round(ending, model, args.timeout) if ending in BARE else one_round(ending, folder, args.timeout)
         r["wrong_rc"] = r["timed_out"] or r["rc"] != r["expected_rc"] or not r["acted"]
         if not (r["abort"] or r["rank_errors"] or r["wrong_rc"]):
