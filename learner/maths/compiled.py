@@ -88,8 +88,9 @@ def attention_in_graph(regions: Regions, checkpointing: bool, attention: str) ->
     """Whether compiled decoder layers take the attention into their graph (the kernel's traceable variant,
     learner/maths/attention.py `use(..., traceable=True)`): always under checkpointing (the checkpoint sits
     inside the layer's graph); without it for "varlen", whose traceable call is the same kernel (one graph
-    per layer instead of two around an eager call: the 1.5B step 2.8% faster on an H200, docs/benchmarks.md),
-    not for "per_sequence", whose traceable variant attends over whole rows under a mask (W^2 work)."""
+    per layer instead of two around an eager call: the 1.5B step 2.2% faster on an H200, median of three runs,
+    docs/benchmarks.md), not for "per_sequence", whose traceable variant attends over whole rows under a mask
+    (W^2 work)."""
     return regions.layers and (checkpointing or attention == "varlen")
 
 
