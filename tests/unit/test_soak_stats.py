@@ -72,3 +72,18 @@ def test_a_kill_waits_for_an_actor_that_serves(soak, tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_run_goes_on_until_the_planned_events_are_done():
+    """Events that fell behind the clock (a kill or freeze waits for an actor serving the learner) keep the run
+    going past --minutes until done and every/2 seconds old, at most LATE_S: at the AVX2-only pace the CI soak
+    (0.6 min, every 7 s) ended after kill, freeze and add, its "remove" never done (2026-11-28)."""
+    soak = load_bench("system/soak")
+    assert soak.planned_events(0.6, 7) == 4 and soak.planned_events(60, 60) == 59  # as the old schedule held
+    late = [{"t": 8.1}, {"t": 30.3}, {"t": 32.3}]
+    assert not soak.stop_due(30.0, 0.6, 7, late, 4)  # before --minutes
+    assert not soak.stop_due(36.0, 0.6, 7, late, 4)  # "remove" still to come
+    assert not soak.stop_due(40.0, 0.6, 7, [*late, {"t": 39.0}], 4)  # done, but under every/2 ago
+    assert soak.stop_due(42.6, 0.6, 7, [*late, {"t": 39.0}], 4)
+    assert soak.stop_due(36.0 + soak.LATE_S, 0.6, 7, late, 4)  # never waits past LATE_S
+    assert soak.stop_due(36.0, 0.6, 7, [{"t": 7.0}, {"t": 14.0}, {"t": 21.0}, {"t": 28.0}], 4)  # on time

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import subprocess
@@ -41,6 +42,7 @@ import bench  # noqa: E402
 from bench import REPO  # noqa: E402
 
 CYCLE = ("kill", "freeze", "add", "remove")
+LATE_S = 120  # how long the run may go on past --minutes for events that fell behind (`stop_due`)
 SAFETY_S = 300  # learner.max_seconds beyond --minutes: ends the run should this script fail to
 
 
@@ -160,6 +162,23 @@ class Schedule:
             self.added.wait(timeout=120)
 
 
+def planned_events(minutes: float, every: float) -> int:
+    """How many events the schedule holds: one each `every` seconds, none in the last every/2 seconds of
+    `minutes`, so that training is seen to go on after the last one."""
+    return max(0, math.ceil((minutes * 60 - every / 2) / every) - 1)
+
+
+def stop_due(t: float, minutes: float, every: float, done: list[dict], planned: int) -> bool:
+    """Whether the run should end now: `minutes` have passed and every planned event happened at least
+    every/2 seconds ago. A kill or freeze waits for an actor serving the learner (`Schedule.next`), so on a
+    starved CPU the events fall behind the clock; the run goes on until they are done, LATE_S at most
+    (the report then shows the events missing)."""
+    if t < minutes * 60:
+        return False
+    caught_up = len(done) >= planned and (not done or t >= done[-1]["t"] + every / 2)
+    return caught_up or t >= minutes * 60 + LATE_S
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, help="how long to train (required unless --from)")
@@ -190,6 +209,7 @@ def main() -> None:
         train = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         launcher = psutil.Process(train.pid)
         t0, samples, schedule, stop_sent = time.time(), [], None, False
+        planned = planned_events(a.minutes, a.every)
         try:
             while train.poll() is None:
                 time.sleep(a.sample)
@@ -201,13 +221,12 @@ def main() -> None:
                 if schedule is None:
                     continue
                 t = time.time() - t0
-                if t >= a.minutes * 60 and not stop_sent:
+                if not stop_sent and stop_due(t, a.minutes, a.every, schedule.done, planned):
                     (run / "STOP").touch()  # the learner ends after its current step (and removes the file)
                     stop_sent = True
                 learner, actors = roles(launcher)
                 schedule.thaw(time.time())
-                # no event in the last every/2 seconds, so that training is seen to go on after the last one
-                if t >= a.every * (len(schedule.done) + 1) and t < a.minutes * 60 - a.every / 2:
+                if len(schedule.done) < planned and t >= a.every * (len(schedule.done) + 1):
                     schedule.next(t, actors, serving_pids(out / "train.log"))
                 steps = (run / "metrics.jsonl").read_text().count("\n")
                 procs = actors + ([psutil.Process(schedule.added.pid)] if schedule.added else [])
