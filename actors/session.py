@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -203,11 +204,17 @@ class Heartbeat:
             if self.told_to_stop.is_set():
                 raise KeyboardInterrupt
             self._interruptible = True
+        # the stop reaches the main thread as SIGINT's Python handler (`_thread.interrupt_main`): the default one
+        # raises KeyboardInterrupt, but under SIG_DFL or SIG_IGN, which a library may leave behind (vLLM's engine
+        # core resets SIGINT to SIG_DFL on its way out), the interrupt does nothing and the start runs on
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             yield
         finally:
             with self._lock:
                 self._interruptible = False
+            if old is not None:  # None: set outside Python, nothing to put back
+                signal.signal(signal.SIGINT, old)
 
     def stop(self) -> None:
         self._stop.set()

@@ -304,3 +304,35 @@ def test_a_ctrl_c_while_the_engine_starts_is_not_taken_for_the_learners_stop(mon
     finally:
         heartbeat.stop()
         server.stop(wait_for_actors_s=0)
+
+
+def test_the_stop_interrupts_an_engine_start_whatever_sigint_was_left_at(monkeypatch):
+    """A library may leave SIGINT at SIG_DFL or SIG_IGN in the actor's process (vLLM's engine core resets it on its
+    way out), under which `_thread.interrupt_main` does nothing: the heartbeat's stop must still cut the start
+    short, and the handler is put back after."""
+    import actors.loop as actor_loop
+    from actors.session import Heartbeat
+
+    def slow_engine_start(*_):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15:
+            time.sleep(0.01)
+        raise AssertionError("the engine's start was not cut short")
+
+    monkeypatch.setattr(actor_loop, "start_batch_engine", slow_engine_start)
+    server = _server(timeout_s=5, heartbeat_s=0.2)
+    server.start()
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        for left in (signal.SIG_DFL, signal.SIG_IGN):
+            signal.signal(signal.SIGINT, left)
+            heartbeat = Heartbeat(server.address, None, f"actor-{left}", 0.2)
+            try:
+                threading.Timer(0.5, heartbeat._answer, args=([encode_control("stop")[0]], "x")).start()
+                assert actor_loop.start_engine_unless_told_to_stop(server.cfg, "x", True, heartbeat) == (None, None)
+            finally:
+                heartbeat.stop()
+            assert signal.getsignal(signal.SIGINT) == left
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        server.stop(wait_for_actors_s=0)
