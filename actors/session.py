@@ -205,8 +205,8 @@ class Heartbeat:
                 raise KeyboardInterrupt
             self._interruptible = True
         # the stop reaches the main thread as SIGINT's Python handler (`_thread.interrupt_main`): the default one
-        # raises KeyboardInterrupt, but under SIG_DFL or SIG_IGN, which a library may leave behind (vLLM's engine
-        # core resets SIGINT to SIG_DFL on its way out), the interrupt does nothing and the start runs on
+        # raises KeyboardInterrupt, but under SIG_DFL or SIG_IGN, which a library may leave behind (seen: SIG_IGN in
+        # a pytest worker, 2026-11-28), the interrupt does nothing and the start runs on
         old = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             yield

@@ -307,9 +307,9 @@ def test_a_ctrl_c_while_the_engine_starts_is_not_taken_for_the_learners_stop(mon
 
 
 def test_the_stop_interrupts_an_engine_start_whatever_sigint_was_left_at(monkeypatch):
-    """A library may leave SIGINT at SIG_DFL or SIG_IGN in the actor's process (vLLM's engine core resets it on its
-    way out), under which `_thread.interrupt_main` does nothing: the heartbeat's stop must still cut the start
-    short, and the handler is put back after."""
+    """A library may leave SIGINT at SIG_DFL or SIG_IGN in the actor's process (a pytest worker had SIG_IGN, and
+    the test above failed so), under which `_thread.interrupt_main` does nothing: the heartbeat's stop must still
+    cut the start short, and the handler is put back after."""
     import actors.loop as actor_loop
     from actors.session import Heartbeat
 
