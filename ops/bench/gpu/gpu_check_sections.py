@@ -608,6 +608,7 @@ def profile(ctx: Context) -> dict:
     alone compiled; and last the layers compiled under checkpointing, the checkpoint inside each layer's
     graph (learner/maths/compiled.py; new on a GPU: its time and kernels, or the step's error if it meets one)."""
     from learner.maths import attention as att
+    from learner.maths import compiled
     from learner.maths import grpo
     from learner.maths.grpo import LogProbs
     from learner.ranks import Ranks
@@ -640,8 +641,9 @@ def profile(ctx: Context) -> dict:
         if compile_it == "ckpt":
             for layer in model.model.layers:  # the checkpoint is inside each compiled layer
                 layer.gradient_checkpointing = False
-        # as the 1.5B config runs (learner/maths/compiled.py `attention_in_graph`): varlen in the layers' graph
-        att.use(model, backend, traceable=compile_it == "ckpt" or (compile_it is True and backend == "varlen"))
+        # as a config with these regions runs (learner/maths/compiled.py; the 1.5B one: varlen in the layers' graph)
+        regions = compiled.Regions(layers=compile_it in (True, "ckpt"), head=bool(compile_it))
+        att.use(model, backend, traceable=compiled.attention_in_graph(regions, checkpointing, backend))
         grpo.logit_chunk = auto if chunk is None else (lambda vocab, device=None, c=chunk: c)
         probe = name == "compiled_checkpointing"  # new on a GPU: its time, or the error it met
         try:

@@ -14,6 +14,7 @@ sequences as the GPU check's step draws them) this times, median of several call
 - "cudnn_per_sequence", "flash_per_sequence": one dense causal SDPA call per sequence under that backend.
 Each: forward ms, forward+backward ms, TFLOP/s of the causal work, and its output and query gradient
 against "fa2_varlen"'s (bf16: a few 1e-3 apart is the same attention); a kernel that fails says why.
+(The H200 figures of 2026-11-28 took two warm-up calls; the check's `_timed` takes one.)
 On CPU (`--tiny`) only "sdpa_per_sequence" runs: the code path, not a timing.
 """
 
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import itertools
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,20 +48,6 @@ def causal_flops(lengths: list[int], heads: int, dim: int) -> tuple[float, float
     triangle (2 L^2 d h forward), the backward's five products 2.5 times that."""
     fwd = sum(2.0 * n * n * dim * heads for n in lengths)
     return fwd, 2.5 * fwd
-
-
-def _time(sync, fn, repeats: int) -> float:
-    """Median seconds of `fn` over `repeats` calls after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _per_sequence(q, k, v, bounds: list[int], backend=None) -> torch.Tensor:
@@ -121,17 +106,19 @@ def _candidates(cuda: bool, bounds: list[int], cu: torch.Tensor, longest: int, w
             "flash_per_sequence": lambda q, k, v: _per_sequence(q, k, v, bounds, SDPBackend.FLASH_ATTENTION)}
 
 
-def _measure(sync, attend, qkv: tuple, grad: torch.Tensor, repeats: int):
+def _measure(ctx, attend, qkv: tuple, grad: torch.Tensor, repeats: int):
     """(forward s, forward+backward s, output, query gradient) of one kernel on fresh leaves of `qkv`."""
+    from gpu_check_sections import _timed  # the check's timer (median after a warm-up); imported late: it imports us
+
     q, k, v = (t.clone().requires_grad_(True) for t in qkv)
     with torch.no_grad():
-        t_fwd = _time(sync, lambda: attend(q, k, v), repeats)
+        t_fwd = _timed(ctx, lambda: attend(q, k, v), repeats)
 
     def fwd_bwd():
         q.grad = k.grad = v.grad = None
         attend(q, k, v).backward(grad)
 
-    t_both = _time(sync, fwd_bwd, repeats)
+    t_both = _timed(ctx, fwd_bwd, repeats)
     fwd_bwd()
     return t_fwd, t_both, attend(q, k, v).detach().float(), q.grad.float()
 
@@ -164,7 +151,7 @@ def kernels(ctx) -> dict:
     repeats = 2 if tiny else 7
     for name, attend in _candidates(ctx.cuda, bounds, cu, max(lengths), width).items():
         try:
-            t_fwd, t_both, out, dq = _measure(ctx.sync, attend, (q0, k0, v0), grad, repeats)
+            t_fwd, t_both, out, dq = _measure(ctx, attend, (q0, k0, v0), grad, repeats)
         except Exception as e:  # noqa: BLE001 (a kernel this torch or GPU lacks: its error is the finding)
             r[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
             continue
