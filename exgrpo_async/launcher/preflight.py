@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from exgrpo_async.config import RunConfig
@@ -100,19 +101,42 @@ def check_model(cfg: RunConfig) -> list[str]:
 
 def check_output(path: str, setting: str = "output_dir") -> list[str]:
     """Problems of the folder runs are written to (`setting` names it: output_dir, --resume, --run-dir):
-    it must be a writable folder, or creatable (its nearest existing parent a writable folder)."""
+    it must be a writable folder, or creatable (its nearest existing parent a writable folder), and a file
+    must be writable in it (`write_problem`: tried, not inferred)."""
     where = f"{setting} {path}" if setting.startswith("--") else f"{setting}={path}"
     target = Path(path)
     if target.exists():
         if not target.is_dir():
             return [f"{where}: exists and is not a folder"]
-        return [] if os.access(target, os.W_OK | os.X_OK) else [f"{where}: the folder is not writable"]
-    parent = next(p for p in target.absolute().parents if p.exists())  # "/" exists
-    if not parent.is_dir():
-        return [f"{where}: cannot be created: {parent} is a file, not a folder"]
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return [f"{where}: cannot be created: {parent} is not writable"]
-    return []
+        if not os.access(target, os.W_OK | os.X_OK):
+            return [f"{where}: the folder is not writable"]
+    else:
+        parent = next(p for p in target.absolute().parents if p.exists())  # "/" exists
+        if not parent.is_dir():
+            return [f"{where}: cannot be created: {parent} is a file, not a folder"]
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return [f"{where}: cannot be created: {parent} is not writable"]
+    return [] if (why := write_problem(target)) is None else [f"{where}: cannot write there ({why})"]
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why a file cannot be made in `folder`, by making one (and the folder, if missing), or None; what the
+    probe made is removed again. os.access answers from permissions alone, and yes to root anywhere: a
+    pseudo-filesystem such as /proc, or a share that maps root to nobody, shows only when tried."""
+    made = [p for p in (folder.absolute(), *folder.absolute().parents) if not p.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    finally:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+    return None
 
 
 def fixed_ports(cfg: RunConfig) -> list[tuple[str, str, int]]:

@@ -204,6 +204,7 @@ def test_an_output_dir_that_is_a_file(tmp_path):
     assert preflight.check(cfg) == [f"output_dir={tmp_path}/runs/demo: cannot be created: {tmp_path}/runs is a "
                                     "file, not a folder"]
     assert preflight.check(make_cfg(tmp_path, output_dir=str(tmp_path / "new" / "deeper"))) == []
+    assert not (tmp_path / "new").exists()  # the write probe's folders are removed again
     assert preflight.check(make_cfg(tmp_path), resume_dir=str(tmp_path / "runs")) == [
         f"--resume {tmp_path}/runs: exists and is not a folder"]
     assert preflight.check_learner(make_cfg(tmp_path), str(tmp_path / "runs")) == [
@@ -217,6 +218,16 @@ def test_an_output_dir_that_cannot_be_written(tmp_path):
     cfg = make_cfg(tmp_path, output_dir=str(tmp_path / "locked" / "runs"))
     assert preflight.check(cfg) == [f"output_dir={tmp_path}/locked/runs: cannot be created: {tmp_path}/locked "
                                     "is not writable"]
+
+
+@pytest.mark.timeout(60)
+def test_an_output_dir_where_nothing_can_be_written_even_as_root(tmp_path):
+    """os.access says yes to root anywhere (CI runs as root), and /proc's permissions say nothing of what it
+    takes: the check makes a folder and a file to know, for root and for anyone."""
+    for path in ("/proc/exgrpo-async-test/runs", "/proc"):
+        (problem,) = preflight.check(make_cfg(tmp_path, output_dir=path))
+        assert problem.startswith(f"output_dir={path}: cannot write there ("), problem
+    assert not Path("/proc/exgrpo-async-test").exists()
 
 
 # ----------------------------------------------------------------------------- ports
@@ -286,6 +297,15 @@ def test_train_with_a_model_path_that_does_not_exist_fails_in_one_line(tmp_path)
     proc = run_cli(tmp_path, "model.path=/nonexistent", f"data.train_files={json.dumps([str(train)])}")
     assert_one_line_exit_2(proc, tmp_path, "exgrpo-async: model.path=/nonexistent: no such folder (and not a hub "
                                            "id like org/name)")
+
+
+@pytest.mark.timeout(90)
+def test_train_with_an_output_dir_nothing_can_be_written_in_fails_in_one_line(tmp_path):
+    """Before the check made a file there, root got a traceback from the run folder's mkdir (its rc 1)."""
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "output_dir=/proc/x"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+    assert_one_line_exit_2(proc, tmp_path, "exgrpo-async: output_dir=/proc/x: cannot write there (No such file or "
+                                           "directory)")
 
 
 @pytest.mark.timeout(120)
