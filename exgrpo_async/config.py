@@ -84,7 +84,9 @@ class DataConfig(_Strict):
     Assistant: <think>" + newline, for a backbone whose own template does not open the think block
     (Qwen2.5-Math-1.5B; their 7B model ships it). None: the tokenizer's own."""
     max_prompt_tokens: int = Field(1024, gt=0)
-    """Questions whose prompt is longer than this are skipped and counted, as the authors do."""
+    """Questions whose prompt is longer than this are skipped and counted, as the authors do; so are those
+    longer than model.max_model_len less rollout.max_new_tokens, when that is less (training questions
+    skipped, held-out ones left out of the evaluations; summary.json `prompts_too_long`)."""
     skip_bad_rows: bool = False
     """A malformed data row is an error naming file and row; true skips such rows instead (each one
     logged and counted). MATH train (deepscaler_rllm/train/math.json) has 4 rows without an answer."""
@@ -594,6 +596,9 @@ class RunConfig(_Strict):
     def _check(self) -> "RunConfig":
         if self.model.path != "toy" and not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file (or use model.path='toy')")
+        if self.rollout.max_new_tokens >= self.model.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for a prompt in "
+                             f"model.max_model_len={self.model.max_model_len} (prompt and completion together)")
         if self.learner.questions_per_step % self.learner.minibatches_per_step:
             raise ValueError("learner.questions_per_step must be divisible by learner.minibatches_per_step")
         L = self.learner

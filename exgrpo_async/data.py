@@ -270,6 +270,22 @@ def render_prompt(q: Question, template: str, system_prompt: str | None, use_cha
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def prompt_token_limit(max_prompt_tokens: int, max_model_len: int, max_new_tokens: int) -> tuple[int, str]:
+    """The longest prompt, in tokens, a question may have, and the setting that sets it: data.max_prompt_tokens,
+    or what model.max_model_len leaves beside a whole completion when that is less (vLLM refuses a prompt
+    past its context, failing the actor's whole request; a shorter one without room for max_new_tokens
+    would have its completions cut short)."""
+    room = max_model_len - max_new_tokens
+    if room < max_prompt_tokens:
+        return room, f"model.max_model_len={max_model_len} less rollout.max_new_tokens={max_new_tokens}"
+    return max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
+
+
+def too_long(prompts: Sequence[str], tokenizer: Any, limit: int) -> set[int]:
+    """Positions of the prompts longer than `limit` tokens, counted as the engines count them."""
+    return {i for i, p in enumerate(prompts) if len(tokenizer(p)["input_ids"]) > limit}
+
+
 # ----------------------------------------------------------------------------- sampling
 class QuestionSampler:
     """Shuffled epochs over question ids. Each epoch is a fresh permutation fixed by (seed, epoch);

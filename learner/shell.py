@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.data import QuestionSampler, load_pool, render_prompt, set_chat_template
+from exgrpo_async.data import QuestionSampler, load_pool, prompt_token_limit, render_prompt, set_chat_template, too_long
 from exgrpo_async.layout import CoreClock, idle_medians
 from exgrpo_async.logs import log_format
 from exgrpo_async.metrics import check_trackers
@@ -111,13 +111,20 @@ class Shell:
         render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tok)  # noqa: E731
         self.questions = {"train": train_pool.questions, "eval": self.eval_pool.questions if self.eval_pool else []}
         self.prompts = {name: [render(q) for q in qs] for name, qs in self.questions.items()}
-        too_long = {i for i, p in enumerate(self.prompts["train"]) if len(tok(p)["input_ids"]) > d.max_prompt_tokens}
-        if too_long:
-            log.warning("skipping %d training questions longer than %d prompt tokens", len(too_long), d.max_prompt_tokens)
-        keep = [i for i in range(len(train_pool.questions)) if i not in too_long]
-        if not keep:
-            raise ValueError("no training question fits data.max_prompt_tokens")
-        self.sampler = QuestionSampler(keep, seed=d.shuffle_seed)
+        limit, why = prompt_token_limit(d.max_prompt_tokens, self.cfg.model.max_model_len, self.cfg.rollout.max_new_tokens)
+        long = {name: too_long(prompts, tok, limit) for name, prompts in self.prompts.items()}
+        self.prompts_too_long = {name: len(ids) for name, ids in long.items()}  # summary.json
+        keep = {name: [i for i in range(len(self.questions[name])) if i not in long[name]] for name in long}
+        for name, what in (("train", "training questions skipped"), ("eval", "held-out questions left out")):
+            if long[name]:
+                log.warning("%d of %d %s: prompts longer than %d tokens (%s)", len(long[name]),
+                            len(self.questions[name]), what, limit, why)
+            if self.questions[name] and not keep[name]:
+                raise ValueError(f"no {what.split()[0]} question's prompt fits in {limit} tokens ({why})")
+        # the held-out set is the questions that fit, in order (its evaluations index them by position)
+        self.questions["eval"] = [self.questions["eval"][i] for i in keep["eval"]]
+        self.prompts["eval"] = [self.prompts["eval"][i] for i in keep["eval"]]
+        self.sampler = QuestionSampler(keep["train"], seed=d.shuffle_seed)
 
     def _restore(self) -> bool:
         """Before any actor can connect: the server hands out work from the restored queues."""
@@ -396,6 +403,7 @@ class Shell:
                                           "weight_fingerprint_mismatches", "fingerprint_rejected_groups")},
             "skipped_steps": t["skipped_steps"], "bad_messages": s.counters["bad_messages"],
             "data_rows_skipped": self.rows_skipped,  # bad rows of the train and eval files (data.skip_bad_rows)
+            "prompts_too_long": self.prompts_too_long,  # questions left out, by pool: their prompts do not fit
             "held_out_curve": held_out_curve(self.run_dir / "metrics.jsonl", self.summary, last_step),
             "gain": paired_gain(self.summary["before"], self.summary["after"])
             if self.summary["before"] and self.summary["after"] else None,

@@ -52,7 +52,8 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
     out = tmp_path_factory.mktemp("exgrpo_run") / "runs"
     inductor = out.parent / "inductor"  # Inductor's cache: what the run's processes compiled (nothing, on CPU)
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
-                               f"data.eval_file={eval_slice(small, out.parent)}",
+                               f"data.train_files={json.dumps([str(with_long_prompts(small, out.parent, 'train', 3))])}",
+                               f"data.eval_file={with_long_prompts(small, out.parent, 'eval', 2)}",
                                'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline",
                                f"learner.mixed_precision={RUN_PRECISION}", "exgrpo.enabled=true",
                                f"exgrpo.start_threshold={START}", "learner.questions_per_step=16"]),
@@ -75,6 +76,20 @@ def eval_slice(small: list[str], folder: Path) -> Path:
     return out
 
 
+def with_long_prompts(small: list[str], folder: Path, pool: str, n: int) -> Path:
+    """The toy's training file (whole: the same sampling order) or eval_slice's questions, then `n` whose
+    prompts are longer than the model's 256-token context: before the learner left them out, vLLM refused
+    each request holding one and every actor exited, restarts and all."""
+    from exgrpo_async.config_io import load_config
+    from exgrpo_async.runs import resolve_toy
+
+    first = Path(resolve_toy(load_config(None, small)).data.train_files[0]) if pool == "train" else eval_slice(small, folder)
+    long = [{"problem": "1+" * (150 + i) + "1=", "answer": str(151 + i), "kind": "add2"} for i in range(n)]
+    out = folder / f"{pool}-with-long-prompts.jsonl"
+    out.write_text(first.read_text() + "".join(json.dumps(row) + "\n" for row in long))
+    return out
+
+
 def test_train_runs_end_to_end(exgrpo_run):
     proc, run_dir = exgrpo_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -88,6 +103,11 @@ def test_train_runs_end_to_end(exgrpo_run):
     assert (config["learner"]["mixed_precision"], config["model"]["dtype"]) == (RUN_PRECISION, "float32")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["before"]["versions"] == [0] and summary["after"]["versions"] == [STEPS]
+    # the prompts too long for the context (256 tokens less 64 for the completion) left out, and counted
+    assert summary["prompts_too_long"] == {"train": 3, "eval": 2}
+    assert summary["before"]["questions"] == summary["after"]["questions"] == EVAL_QUESTIONS
+    assert "3 of 20003 training questions skipped: prompts longer than 192 tokens (model.max_model_len=256" in proc.stderr
+    assert summary["actors_lost"] == 0 and "restarting it" not in proc.stderr
     assert summary["syncs"] >= 2 * 3  # each actor received version 0 and at least two later ones it used
     # the best weights by held-out score (one source here, so its accuracy): only the final eval ran
     best = json.loads((run_dir / "best" / "best.json").read_text())

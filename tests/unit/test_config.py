@@ -81,6 +81,7 @@ def test_dotted_overrides_with_typed_values():
     ("weight_sync.backend=mpi", "weight_sync.backend"),
     ("learner.minibatches_per_step=7", "divisible"),         # cross-field rule
     ("model.path=/some/model", "train_files"),              # a real model needs data
+    ("rollout.max_new_tokens=256", "leaves no room for a prompt"),  # the whole context for the completion
 ])
 def test_bad_values_rejected_with_a_clear_message(override, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from exgrpo_async.data import DataError, Question, QuestionSampler, extract_last_boxed, load_pool, render_prompt
+from exgrpo_async.data import (DataError, Question, QuestionSampler, extract_last_boxed, load_pool, prompt_token_limit,
+                               render_prompt, too_long)
 from exgrpo_async.toy.task import build_tokenizer
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -235,6 +236,16 @@ def test_render_verl_messages(tokenizer):
         assert text == f"<|system|>Be brief.\n<|user|>{q.messages[1]['content']}\n<|assistant|>"
     finally:
         tokenizer.chat_template = None
+
+
+def test_the_prompt_limit_is_the_setting_or_what_the_context_leaves_beside_a_completion(tokenizer):
+    assert prompt_token_limit(1024, 4096, 3072) == (1024, "data.max_prompt_tokens=1024")  # the 1.5B recipe's: both
+    assert prompt_token_limit(100, 256, 64) == (100, "data.max_prompt_tokens=100")
+    assert prompt_token_limit(1024, 256, 64) == (192, "model.max_model_len=256 less rollout.max_new_tokens=64")  # the toy's
+    # counted in the tokenizer's tokens (the toy's: one a character), over the limit only
+    prompts = ["1+1=", "x" * 192, "x" * 193, "", "y" * 500]
+    assert too_long(prompts, tokenizer, 192) == {2, 4}
+    assert too_long(prompts, tokenizer, 4) == {1, 2, 4}
 
 
 def test_render_plain(tokenizer):
