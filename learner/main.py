@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from exgrpo_async import precision
 from exgrpo_async.config import RunConfig
+from exgrpo_async.data import DataError
 from exgrpo_async.layout import standalone_threads
 from exgrpo_async.runs import new_run_dir, resolve_toy
 
@@ -108,7 +109,11 @@ def _run_rank(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
     (out / "config.json").write_text(cfg.model_dump_json(indent=2))
     from learner.train import run
 
-    run(cfg, out, ranks, resume=resume)
+    try:
+        run(cfg, out, ranks, resume=resume)
+    except DataError as e:  # the user's data (no question fits, no chat template): one line, not a traceback
+        log.error("learner: %s", e)
+        return 2
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.data import QuestionSampler, load_pool, prompt_token_limit, render_prompt, set_chat_template, too_long
+from exgrpo_async.data import DataError, QuestionSampler, load_pool, prompt_token_limit, render_prompt, set_chat_template, too_long
 from exgrpo_async.layout import CoreClock, idle_medians
 from exgrpo_async.logs import log_format
 from exgrpo_async.metrics import check_trackers
@@ -120,7 +120,7 @@ class Shell:
                 log.warning("%d of %d %s: prompts longer than %d tokens (%s)", len(long[name]),
                             len(self.questions[name]), what, limit, why)
             if self.questions[name] and not keep[name]:
-                raise ValueError(f"no {what.split()[0]} question's prompt fits in {limit} tokens ({why})")
+                raise DataError(f"no {what.split()[0]} question's prompt fits in {limit} tokens ({why})")
         # the held-out set is the questions that fit, in order (its evaluations index them by position)
         self.questions["eval"] = [self.questions["eval"][i] for i in keep["eval"]]
         self.prompts["eval"] = [self.prompts["eval"][i] for i in keep["eval"]]

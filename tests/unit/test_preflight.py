@@ -334,6 +334,22 @@ def test_the_learner_command_fails_in_one_line_before_it_loads_anything(tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_a_training_file_whose_every_prompt_is_too_long_ends_train_in_a_line_each_from_learner_and_launcher(
+        tiny_tied, tmp_path):
+    """Past the checks (they read no tokenizer), the learner finds no training question whose prompt fits
+    beside a whole completion (256 tokens of context less 64; the tiny policy's tokens are characters): a data
+    error, so its line and the launcher's, no traceback (before: a ValueError's)."""
+    train = write_jsonl(tmp_path / "train.jsonl", [dict(GOOD_ROW, problem="1+" * 100 + "1=")])
+    proc = run_cli(tmp_path, f"model.path={tiny_tied}", f"data.train_files={json.dumps([str(train)])}",
+                   "actor.num_actors=0", "learner.device=cpu", "data.eval_file=none")
+    assert proc.returncode == 1, proc.stderr
+    assert ("learner: no training question's prompt fits in 192 tokens (model.max_model_len=256 less "
+            "rollout.max_new_tokens=64)") in proc.stderr
+    assert "the learner exited (code 2) before it was ready; its log above says why" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
 def test_a_learner_that_fails_after_the_checks_ends_train_with_one_line_of_its_own(tmp_path):
     """A model folder with the right file names passes the checks, and the learner fails loading it: the
     launcher says so in one line (no second traceback of its own) and exits 1, having started no actor."""
