@@ -315,6 +315,8 @@ def _report(args) -> int:
 def _eval(args, cfg) -> int:
     from pathlib import Path
 
+    from exgrpo_async.launcher import preflight
+
     model = args.model or (cfg.model.path if cfg.model.path != "toy" else None)
     files = args.data or ([cfg.data.eval_file] if cfg.data.eval_file else [])
     samples = cfg.rollout.eval_samples if args.samples is None else args.samples
@@ -333,6 +335,9 @@ def _eval(args, cfg) -> int:
     if args.prompt_template is not None:
         cfg.data.prompt_template = args.prompt_template
     cfg.data.use_chat_template = cfg.data.use_chat_template or args.chat_template
+    cfg.model.path = model
+    if not preflight.report(preflight.check_eval(cfg, files, args.out)):
+        return 2
 
     from actors.main import run_eval
 

@@ -60,13 +60,14 @@ def _has_chat_template(names: set[str], tokenizer_config: dict) -> bool:
     return bool(tokenizer_config.get("chat_template")) or any(n in names for n in CHAT_TEMPLATE_FILES)
 
 
-def check_model(cfg: RunConfig) -> list[str]:
+def check_model(cfg: RunConfig, setting: str = "model.path") -> list[str]:
     """Problems of `model.path` (nothing to check for "toy" or a hub id): a folder with config.json,
-    weights and a tokenizer, which must have a chat template if prompts are rendered with its own."""
+    weights and a tokenizer, which must have a chat template if prompts are rendered with its own.
+    `setting` names where the path came from (`eval`'s --model)."""
     path = cfg.model.path
     if path == "toy":
         return []
-    where, folder = f"model.path={path}", Path(path)
+    where, folder = (f"{setting} {path}" if setting.startswith("--") else f"{setting}={path}"), Path(path)
     if not folder.exists():
         return [] if is_hub_id(path) else [f"{where}: no such folder (and not a hub id like org/name)"]
     if not folder.is_dir():
@@ -188,6 +189,25 @@ def check(cfg: RunConfig, resume_dir: str | None = None) -> list[str]:
     """Every problem `train` can find before it starts anything, one line each (empty: none found)."""
     out = check_output(resume_dir, "--resume") if resume_dir else check_output(cfg.output_dir)
     return check_data(cfg) + check_model(cfg) + out + check_ports(cfg)
+
+
+def check_eval(cfg: RunConfig, files: list[str], out: str | None) -> list[str]:
+    """What `exgrpo-async eval` reads and writes, before it starts an engine: the model (`cfg.model.path`,
+    given as --model), each --data file, and the folder of the --out report (a folder in place of the
+    file is refused: the report would be lost after the whole evaluation)."""
+    problems = check_model(cfg, "--model")
+    for path in files:
+        try:
+            check_file(path, FIRST_ROWS, skip_bad_rows=cfg.data.skip_bad_rows)
+        except DataError as e:
+            problems.append(f"--data: {e}")
+    if out is not None:
+        if Path(out).is_dir():
+            problems.append(f"--out {out}: a folder; give the report's file name")
+        else:
+            problems += [line.replace(f"--out {Path(out).parent}", f"--out {out}", 1)
+                         for line in check_output(str(Path(out).parent), "--out")]
+    return problems
 
 
 def check_learner(cfg: RunConfig, run_dir: str | None = None, lead: bool = True) -> list[str]:

@@ -230,6 +230,34 @@ def test_an_output_dir_where_nothing_can_be_written_even_as_root(tmp_path):
     assert not Path("/proc/exgrpo-async-test").exists()
 
 
+# ----------------------------------------------------------------------------- eval
+@pytest.mark.timeout(60)
+def test_eval_checks_its_model_data_and_report_file_before_it_starts(tmp_path):
+    """`eval` (before: the hub's traceback for a missing model folder, and a report lost after the whole
+    evaluation for an --out it could not write)."""
+    model, data = fake_model(tmp_path / "model"), write_jsonl(tmp_path / "q.jsonl", [GOOD_ROW])
+    cfg = make_cfg(tmp_path, model__path=str(model))
+    assert preflight.check_eval(cfg, [str(data)], None) == []
+    assert preflight.check_eval(cfg, [str(data)], str(tmp_path / "new" / "report.json")) == []
+    assert not (tmp_path / "new").exists()
+    assert preflight.check_eval(cfg, [str(data), str(tmp_path / "nope.jsonl")], str(tmp_path)) == [
+        f"--data: {tmp_path}/nope.jsonl: no such file", f"--out {tmp_path}: a folder; give the report's file name"]
+    assert preflight.check_eval(make_cfg(tmp_path, model__path="/nonexistent"), [str(data)], "/proc/x/report.json") == [
+        "--model /nonexistent: no such folder (and not a hub id like org/name)",
+        "--out /proc/x/report.json: cannot write there (No such file or directory)"]
+
+
+@pytest.mark.timeout(60)
+def test_eval_with_a_model_path_that_does_not_exist_fails_in_one_line(tmp_path):
+    data = write_jsonl(tmp_path / "q.jsonl", [GOOD_ROW])
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "eval", "--model", "/nonexistent",
+                           "--data", str(data)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "exgrpo-async: --model /nonexistent: no such folder (and not a hub id like org/name)"]
+
+
 # ----------------------------------------------------------------------------- ports
 @pytest.fixture
 def taken_port():
