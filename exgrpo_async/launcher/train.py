@@ -99,9 +99,25 @@ def check_devices(gpu_plan: Plan | None, visible_gpus: int) -> None:
                              f"{visible_gpus} CUDA device(s); set placement.gpus={visible_gpus} and fewer processes")
 
 
+def check_cpu_node(cfg: RunConfig, gpus: int, cores: int) -> None:
+    """What a node without GPUs cannot run (each failed later in a child: the learner's traceback, or every
+    actor's, restarts used up)."""
+    if gpus:
+        return
+    if cfg.learner.device == "cuda":
+        raise PlacementError("learner.device='cuda' but this node has no GPU; use 'cpu' or 'auto'")
+    if cfg.weight_sync.backend == "nccl":
+        raise PlacementError("weight_sync.backend='nccl' needs GPUs and this node has none; use 'gloo' or 'auto'")
+    tp = cfg.actor.engine.tensor_parallel_size
+    if cfg.actor.num_actors != 0 and tp > cores:
+        raise PlacementError(f"actor.engine.tensor_parallel_size={tp} on CPU needs a core per worker; this machine "
+                             f"gives {cores}")
+
+
 def plan_run(cfg: RunConfig) -> tuple[RunConfig, Plan | None]:
     """The config resolved for this machine (layout, precision, the toy policy) and its GPU plan; a bad plan
     fails here, before anything starts."""
+    check_cpu_node(cfg, node_gpus(cfg), len(os.sched_getaffinity(0)))
     cfg = machine_layout(cfg)
     gpu_plan = plan(cfg, node_gpus(cfg))
     if gpu_plan is not None and not cfg.placement.rehearse:

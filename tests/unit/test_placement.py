@@ -96,6 +96,34 @@ def test_tensor_parallel_cpu_actors_get_a_core_per_worker():
     assert placement([0, 1, 2, 3], 3, True, per_actor=2) == (None, [[0, 1], [2, 3], [0, 1]])
     with pytest.raises(ValueError, match="core per worker"):
         placement([0, 1], 1, True, per_actor=3)
+    assert placement([0, 1], 0, True, per_actor=4) == (None, [])  # no local actor: nothing to place
+
+
+@pytest.mark.parametrize("override, why", [
+    ("learner.device=cuda", "learner.device='cuda' but this node has no GPU; use 'cpu' or 'auto'"),
+    ("weight_sync.backend=nccl", "weight_sync.backend='nccl' needs GPUs and this node has none; use 'gloo' or 'auto'"),
+    ("actor.engine.tensor_parallel_size=3", "actor.engine.tensor_parallel_size=3 on CPU needs a core per worker; "
+                                            "this machine gives 2"),
+])
+def test_what_a_node_without_gpus_cannot_run_is_refused_up_front(override, why):
+    """Before: the learner's traceback after its start (7 s), every actor's, restarts used up (56 s, nccl), or
+    the launcher's own traceback (tensor parallel); now a placement error before anything starts."""
+    from exgrpo_async.launcher.train import check_cpu_node
+
+    with pytest.raises(PlacementError) as e:
+        check_cpu_node(load_config(None, [override]), gpus=0, cores=2)
+    assert str(e.value) == why
+    check_cpu_node(load_config(None, [override]), gpus=8, cores=2)  # a GPU node: the GPU plan decides
+    check_cpu_node(load_config(None, [override, "actor.num_actors=0"] if "tensor" in override else []), gpus=0, cores=2)
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a node with a GPU driver")
+def test_train_on_a_node_without_gpus_refuses_a_cuda_learner_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "learner.device=cuda",
+                           f"output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "exgrpo-async: placement: learner.device='cuda' but this node has no GPU; use 'cpu' or 'auto'"
+    assert not list(tmp_path.iterdir())  # no run folder, no process
 
 
 def test_cpu_thread_binding_splits_the_actors_cores_between_its_workers():
