@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from exgrpo_async.wire import encode_control
+from tests.bench import load_bench
 from tests.integration.helpers import actor_pids, children_of, cli, kill_tree, log_excerpt
 
 pytestmark = pytest.mark.slow  # real `train` runs with faults: 2-5 min each
@@ -137,8 +138,13 @@ def test_two_rank_drill_join_junk_freeze_kill9_nan_then_resume_on_one(small, tmp
         # an actor joins while training runs: it gets the current weights and its work counts
         extra = subprocess.Popen(cli(["actor", "--learner", address]), stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(r["actors"] == 3 for r in rows_of(run_dir)), 180, "the third actor to join", proc)
-        n_junk = send_junk(address, log_path, proc)
         frozen, killed = actor_pids(proc.pid)  # the launcher's two (the elastic one is not its child)
+        # both serving (their weight-sync groups formed) before a fault: at the AVX2-only pace the elastic
+        # actor joined before one of them, which was frozen while its engine still started, where
+        # transport.join_timeout_s (600 s), not actor_timeout_s, decides (2026-11-29)
+        serving = load_bench("system/soak").serving_pids
+        wait_for(lambda: {frozen, killed} <= serving(log_path), 180, "both launcher actors to serve", proc)
+        n_junk = send_junk(address, log_path, proc)
         drops = short_freezes_until_a_stale_drop(frozen, log_path, proc)
         assert ": presumed dead," not in log_path.read_text()
         os.kill(frozen, signal.SIGSTOP)
