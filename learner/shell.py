@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from exgrpo_async.config import RunConfig
-from exgrpo_async.data import DataError, QuestionSampler, load_pool, prompt_token_limit, render_prompt, set_chat_template, too_long
+from exgrpo_async.data import (DataError, QuestionSampler, load_pool, prompt_token_limit, render_prompt,
+                               set_chat_template, too_long)
 from exgrpo_async.layout import CoreClock, idle_medians
 from exgrpo_async.logs import log_format
 from exgrpo_async.metrics import check_trackers
@@ -111,7 +112,8 @@ class Shell:
         render = lambda q: render_prompt(q, d.prompt_template, d.system_prompt, d.use_chat_template, tok)  # noqa: E731
         self.questions = {"train": train_pool.questions, "eval": self.eval_pool.questions if self.eval_pool else []}
         self.prompts = {name: [render(q) for q in qs] for name, qs in self.questions.items()}
-        limit, why = prompt_token_limit(d.max_prompt_tokens, self.cfg.model.max_model_len, self.cfg.rollout.max_new_tokens)
+        limit, why = prompt_token_limit(d.max_prompt_tokens, self.cfg.model.max_model_len,
+                                        self.cfg.rollout.max_new_tokens)
         long = {name: too_long(prompts, tok, limit) for name, prompts in self.prompts.items()}
         self.prompts_too_long = {name: len(ids) for name, ids in long.items()}  # summary.json
         keep = {name: [i for i in range(len(self.questions[name])) if i not in long[name]] for name in long}

@@ -50,9 +50,10 @@ def exgrpo_run(small, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Pa
     fixtures pin fp32; on an AVX2-only CPU bf16 autocast is 7 times fp32's time, and the bf16 step is
     tested there by tests/integration/test_learner_ranks.py)."""
     out = tmp_path_factory.mktemp("exgrpo_run") / "runs"
+    train = with_long_prompts(small, out.parent, "train", 3)
     inductor = out.parent / "inductor"  # Inductor's cache: what the run's processes compiled (nothing, on CPU)
     proc = subprocess.run(cli(["train", *small, f"learner.max_steps={STEPS}", f"output_dir={out}",
-                               f"data.train_files={json.dumps([str(with_long_prompts(small, out.parent, 'train', 3))])}",
+                               f"data.train_files={json.dumps([str(train)])}",
                                f"data.eval_file={with_long_prompts(small, out.parent, 'eval', 2)}",
                                'metrics.trackers=["tensorboard", "wandb"]', "metrics.wandb_mode=offline",
                                f"learner.mixed_precision={RUN_PRECISION}", "exgrpo.enabled=true",
@@ -83,7 +84,8 @@ def with_long_prompts(small: list[str], folder: Path, pool: str, n: int) -> Path
     from exgrpo_async.config_io import load_config
     from exgrpo_async.runs import resolve_toy
 
-    first = Path(resolve_toy(load_config(None, small)).data.train_files[0]) if pool == "train" else eval_slice(small, folder)
+    toy = resolve_toy(load_config(None, small))
+    first = Path(toy.data.train_files[0]) if pool == "train" else eval_slice(small, folder)
     long = [{"problem": "1+" * (150 + i) + "1=", "answer": str(151 + i), "kind": "add2"} for i in range(n)]
     out = folder / f"{pool}-with-long-prompts.jsonl"
     out.write_text(first.read_text() + "".join(json.dumps(row) + "\n" for row in long))
@@ -106,7 +108,8 @@ def test_train_runs_end_to_end(exgrpo_run):
     # the prompts too long for the context (256 tokens less 64 for the completion) left out, and counted
     assert summary["prompts_too_long"] == {"train": 3, "eval": 2}
     assert summary["before"]["questions"] == summary["after"]["questions"] == EVAL_QUESTIONS
-    assert "3 of 20003 training questions skipped: prompts longer than 192 tokens (model.max_model_len=256" in proc.stderr
+    assert ("3 of 20003 training questions skipped: prompts longer than 192 tokens (model.max_model_len=256"
+            in proc.stderr)
     assert summary["actors_lost"] == 0 and "restarting it" not in proc.stderr
     assert summary["syncs"] >= 2 * 3  # each actor received version 0 and at least two later ones it used
     # the best weights by held-out score (one source here, so its accuracy): only the final eval ran

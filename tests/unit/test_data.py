@@ -241,7 +241,8 @@ def test_render_verl_messages(tokenizer):
 def test_the_prompt_limit_is_the_setting_or_what_the_context_leaves_beside_a_completion(tokenizer):
     assert prompt_token_limit(1024, 4096, 3072) == (1024, "data.max_prompt_tokens=1024")  # the 1.5B recipe's: both
     assert prompt_token_limit(100, 256, 64) == (100, "data.max_prompt_tokens=100")
-    assert prompt_token_limit(1024, 256, 64) == (192, "model.max_model_len=256 less rollout.max_new_tokens=64")  # the toy's
+    # the toy's context: 256 tokens, 64 of them for the completion
+    assert prompt_token_limit(1024, 256, 64) == (192, "model.max_model_len=256 less rollout.max_new_tokens=64")
     # counted in the tokenizer's tokens (the toy's: one a character), over the limit only
     prompts = ["1+1=", "x" * 192, "x" * 193, "", "y" * 500]
     assert too_long(prompts, tokenizer, 192) == {2, 4}

@@ -122,7 +122,8 @@ def test_train_on_a_node_without_gpus_refuses_a_cuda_learner_in_one_line(tmp_pat
     proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "learner.device=cuda",
                            f"output_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "exgrpo-async: placement: learner.device='cuda' but this node has no GPU; use 'cpu' or 'auto'"
+    assert proc.stderr.strip() == ("exgrpo-async: placement: learner.device='cuda' but this node has no GPU; use 'cpu' "
+                                   "or 'auto'")
     assert not list(tmp_path.iterdir())  # no run folder, no process
 
 

@@ -330,8 +330,9 @@ def test_train_with_a_model_path_that_does_not_exist_fails_in_one_line(tmp_path)
 @pytest.mark.timeout(90)
 def test_train_with_an_output_dir_nothing_can_be_written_in_fails_in_one_line(tmp_path):
     """Before the check made a file there, root got a traceback from the run folder's mkdir (its rc 1)."""
-    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "output_dir=/proc/x"], cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_async.launcher.cli", "train", "output_dir=/proc/x"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=60)
     assert_one_line_exit_2(proc, tmp_path, "exgrpo-async: output_dir=/proc/x: cannot write there (No such file or "
                                            "directory)")
 
