@@ -74,6 +74,34 @@ def test_a_kill_waits_for_an_actor_that_serves(soak, tmp_path):
             p.wait()
 
 
+def test_a_remove_waits_for_the_added_actor_to_serve(soak, tmp_path, monkeypatch):
+    """The cycle's "remove" stops the actor its "add" started only once that one serves the learner: at the
+    AVX2-only pace one was removed 2 s after its start, never having joined (the CI soak's books then missed it)."""
+    import subprocess
+    import sys
+
+    started, real_popen = [], subprocess.Popen
+
+    def popen(*args, **kwargs):  # the added actor: a process that sleeps, in place of `exgrpo-async actor`
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    monkeypatch.setattr(soak.subprocess, "Popen", popen)
+    schedule = soak.Schedule("tcp://127.0.0.1:1", 15.0, tmp_path)
+    schedule.n = soak.CYCLE.index("add")
+    try:
+        schedule.next(1.0, [], set())
+        assert [e["event"] for e in schedule.done] == ["add"] and len(started) == 1
+        schedule.next(2.0, [], set())  # not serving yet: the remove waits
+        assert [e["event"] for e in schedule.done] == ["add"] and started[0].poll() is None
+        schedule.next(3.0, [], {started[0].pid})
+        assert [e["event"] for e in schedule.done] == ["add", "remove"] and started[0].poll() is not None
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
 def test_the_run_goes_on_until_the_planned_events_are_done():
     """Events that fell behind the clock (a kill or freeze waits for an actor serving the learner) keep the run
     going past --minutes until done and every/2 seconds old, at most LATE_S: at the AVX2-only pace the CI soak

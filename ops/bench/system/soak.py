@@ -131,11 +131,14 @@ class Schedule:
         """The cycle's next event. A kill or freeze waits (asked again at the next sample) while no actor
         serves the learner: one still starting its engine on a starved CPU holds no work and has
         `transport.join_timeout_s`, so it is not presumed dead and nothing the soak checks would follow
-        (2026-11-28, the AVX2-only pace: one killed 10 s after its start, one frozen before its group)."""
+        (2026-11-28, the AVX2-only pace: one killed 10 s after its start, one frozen before its group). A
+        remove waits likewise for the added actor to serve."""
         kind = CYCLE[self.n % len(CYCLE)]
         ready = [a for a in actors if a.pid in serving]
         if kind in ("kill", "freeze") and actors and not ready:
             return
+        if kind == "remove" and self.added is not None and self.added.pid not in serving:
+            return  # the added actor leaves once it serves: one removed while starting joined nothing (2026-11-29)
         self.n += 1
         target = ready[self.n % len(ready)] if ready else None
         if kind == "kill" and target is not None:
