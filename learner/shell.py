@@ -117,12 +117,12 @@ class Shell:
         long = {name: too_long(prompts, tok, limit) for name, prompts in self.prompts.items()}
         self.prompts_too_long = {name: len(ids) for name, ids in long.items()}  # summary.json
         keep = {name: [i for i in range(len(self.questions[name])) if i not in long[name]] for name in long}
-        for name, what in (("train", "training questions skipped"), ("eval", "held-out questions left out")):
+        for name, kind, fate in (("train", "training", "skipped"), ("eval", "held-out", "left out")):
             if long[name]:
-                log.warning("%d of %d %s: prompts longer than %d tokens (%s)", len(long[name]),
-                            len(self.questions[name]), what, limit, why)
+                log.warning("%d of %d %s questions %s: prompts longer than %d tokens (%s)", len(long[name]),
+                            len(self.questions[name]), kind, fate, limit, why)
             if self.questions[name] and not keep[name]:
-                raise DataError(f"no {what.split()[0]} question's prompt fits in {limit} tokens ({why})")
+                raise DataError(f"no {kind} question's prompt fits in {limit} tokens ({why})")
         # the held-out set is the questions that fit, in order (its evaluations index them by position)
         self.questions["eval"] = [self.questions["eval"][i] for i in keep["eval"]]
         self.prompts["eval"] = [self.prompts["eval"][i] for i in keep["eval"]]

@@ -47,10 +47,15 @@ def check_data(cfg: RunConfig, rows: int = FIRST_ROWS) -> list[str]:
     files = [("data.train_files", f) for f in cfg.data.train_files]
     if cfg.data.eval_file:
         files.append(("data.eval_file", cfg.data.eval_file))
+    return check_files(files, cfg.data.skip_bad_rows, rows)
+
+
+def check_files(files: list[tuple[str, str]], skip_bad_rows: bool, rows: int = FIRST_ROWS) -> list[str]:
+    """Problems of each (setting, path): readable, its first `rows` rows parsing (`check_file`)."""
     problems = []
     for setting, path in files:
         try:
-            check_file(path, rows, skip_bad_rows=cfg.data.skip_bad_rows)
+            check_file(path, rows, skip_bad_rows=skip_bad_rows)
         except DataError as e:
             problems.append(f"{setting}: {e}")
     return problems
@@ -100,11 +105,11 @@ def check_model(cfg: RunConfig, setting: str = "model.path") -> list[str]:
     return problems
 
 
-def check_output(path: str, setting: str = "output_dir") -> list[str]:
-    """Problems of the folder runs are written to (`setting` names it: output_dir, --resume, --run-dir):
-    it must be a writable folder, or creatable (its nearest existing parent a writable folder), and a file
-    must be writable in it (`write_problem`: tried, not inferred)."""
-    where = f"{setting} {path}" if setting.startswith("--") else f"{setting}={path}"
+def check_output(path: str, setting: str = "output_dir", shown: str | None = None) -> list[str]:
+    """Problems of the folder runs are written to (`setting` names it: output_dir, --resume, --run-dir;
+    `shown` is the value quoted, `path` by default): it must be a writable folder, or creatable (its nearest
+    existing parent a writable folder), and a file must be writable in it (`write_problem`: tried, not inferred)."""
+    where = f"{setting} {shown or path}" if setting.startswith("--") else f"{setting}={shown or path}"
     target = Path(path)
     if target.exists():
         if not target.is_dir():
@@ -195,18 +200,10 @@ def check_eval(cfg: RunConfig, files: list[str], out: str | None) -> list[str]:
     """What `exgrpo-async eval` reads and writes, before it starts an engine: the model (`cfg.model.path`,
     given as --model), each --data file, and the folder of the --out report (a folder in place of the
     file is refused: the report would be lost after the whole evaluation)."""
-    problems = check_model(cfg, "--model")
-    for path in files:
-        try:
-            check_file(path, FIRST_ROWS, skip_bad_rows=cfg.data.skip_bad_rows)
-        except DataError as e:
-            problems.append(f"--data: {e}")
+    problems = check_model(cfg, "--model") + check_files([("--data", f) for f in files], cfg.data.skip_bad_rows)
     if out is not None:
-        if Path(out).is_dir():
-            problems.append(f"--out {out}: a folder; give the report's file name")
-        else:
-            problems += [line.replace(f"--out {Path(out).parent}", f"--out {out}", 1)
-                         for line in check_output(str(Path(out).parent), "--out")]
+        problems += ([f"--out {out}: a folder; give the report's file name"] if Path(out).is_dir()
+                     else check_output(str(Path(out).parent), "--out", shown=out))
     return problems
 
 
