@@ -282,8 +282,11 @@ def prompt_token_limit(max_prompt_tokens: int, max_model_len: int, max_new_token
 
 
 def too_long(prompts: Sequence[str], tokenizer: Any, limit: int) -> set[int]:
-    """Positions of the prompts longer than `limit` tokens, counted as the engines count them."""
-    return {i for i, p in enumerate(prompts) if len(tokenizer(p)["input_ids"]) > limit}
+    """Positions of the prompts longer than `limit` tokens, counted as the engines count them (one batched
+    call: a fast tokenizer encodes the list in Rust, not prompt by prompt in Python)."""
+    if not prompts:
+        return set()
+    return {i for i, ids in enumerate(tokenizer(list(prompts))["input_ids"]) if len(ids) > limit}
 
 
 # ----------------------------------------------------------------------------- sampling
