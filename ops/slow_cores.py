@@ -4,6 +4,12 @@ Every thread on that core, however many, then gets SPEED of its time; a cgroup's
 that (one thread alone would run at full speed under a quota of two cores' worth).
 
     python3 ops/slow_cores.py 0.75 &    # until killed (SIGTERM); ops/avx2 --speed starts and stops it
+    .venv/bin/python ops/slow_cores.py --speed-for 291    # prints the speed that brings the pace to 291, and the pace
+
+The pace reference (`pace`): one thread's 512x512 fp32 matrix products per second, with torch, under the
+caps the environment sets. This machine's own pace moves by up to 2x from hour to hour (docs/benchmarks.md);
+`ops/avx2 --pace 291` measures it under the AVX2 caps and slows the cores to the AVX2-only EPYC's (291),
+where `--speed 0.75` brings only an ordinary hour's pace there.
 
 ops/avx2 uses it to bring a fast machine's AVX2-capped figures to an AVX2-only EPYC's (docs/benchmarks.md,
 "Two classes of CPU"). Root only (SCHED_FIFO); real-time tasks stay under the kernel's 95% cap.
@@ -36,7 +42,32 @@ def hold(core: int, speed: float) -> None:
         time.sleep(max(0.0, wake - time.perf_counter()))
 
 
+def pace(seconds: float = 3.0) -> float:
+    """Matrix products (512x512, fp32, one thread) per second over `seconds`, after 20 to warm up."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    for _ in range(20):
+        a @ a
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def speed_for(target: float, measured: float) -> float:
+    """The share of each core that brings a pace of `measured` to `target`: 1.0 (not slowed) when the
+    machine is at or under the target already, never under slow_cores' floor of 0.1."""
+    return max(0.1, min(1.0, round(target / measured, 3)))
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--speed-for":
+        measured = pace()
+        print(f"{speed_for(float(argv[1]), measured)} {measured:.0f}")
+        return 0
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2

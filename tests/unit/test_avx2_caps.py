@@ -36,6 +36,35 @@ def test_the_plugin_makes_every_vllm_process_load_the_avx2_kernels_under_the_cap
 
 
 def test_ops_avx2_caps_inductors_compile_flags_too():
-    out = subprocess.run(["bash", str(REPO / "ops" / "avx2"), "bash", "-c", "echo $TORCHINDUCTOR_CPP_MARCH $ATEN_CPU_CAPABILITY"],
+    out = subprocess.run(["bash", str(REPO / "ops" / "avx2"), "bash", "-c",
+                          "echo $TORCHINDUCTOR_CPP_MARCH $ATEN_CPU_CAPABILITY"],
                          capture_output=True, text=True, timeout=30)
     assert out.stdout.split() == ["x86-64-v3", "avx2"], out.stderr
+
+
+def test_the_speed_for_a_pace_is_the_ratio_within_slow_cores_bounds():
+    sys.path.insert(0, str(REPO / "ops"))
+    try:
+        from slow_cores import speed_for
+    finally:
+        sys.path.pop(0)
+    assert speed_for(291, 388) == 0.75  # an ordinary hour under the caps: --speed 0.75's
+    assert speed_for(291, 300) == 0.97
+    assert speed_for(291, 200) == 1.0  # a slower hour than the class's: not slowed
+    assert speed_for(291, 10_000) == 0.1  # slow_cores' floor
+
+
+@pytest.mark.timeout(120)
+def test_ops_avx2_pace_measures_under_the_caps_and_says_what_it_did():
+    # a target no machine reaches: measured, not slowed (slowing needs root and would take the cores)
+    out = subprocess.run(["bash", str(REPO / "ops" / "avx2"), "--pace", "1000000", "bash", "-c",
+                          "echo $EXGRPO_CPU_PACE ${EXGRPO_CPU_SPEED:-none}"],
+                         capture_output=True, text=True, timeout=110, cwd=REPO,
+                         env=dict(os.environ, EXGRPO_PACE_PYTHON=sys.executable))
+    assert out.returncode == 0, out.stderr
+    measured, speed = out.stdout.split()
+    assert float(measured) > 10 and speed == "none"
+    assert f"ops/avx2: pace {measured} under the caps, at or under 1000000 already: not slowed" in out.stderr
+    bad = subprocess.run(["bash", str(REPO / "ops" / "avx2"), "--pace", "291", "true"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, env=dict(os.environ, EXGRPO_PACE_PYTHON="/nonexistent/python"))
+    assert bad.returncode == 2 and "could not measure the pace" in bad.stderr

@@ -28,7 +28,7 @@ def test_the_table_quotes_each_gain_with_its_error_and_the_spread_over_seeds(tmp
 
 def test_one_seed_has_no_spread_line_and_the_cpu_is_named(monkeypatch):
     assert len(demo_seeds.table([_run(0, 0.05, 0.01)])) == 3
-    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "EXGRPO_CPU_SPEED"):  # as under ops/avx2 --speed
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "EXGRPO_CPU_SPEED", "EXGRPO_CPU_PACE"):  # ops/avx2's
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     c = demo_seeds.cpu()

@@ -28,12 +28,12 @@ from bench import REPO  # noqa: E402
 
 
 def cpu() -> dict:
-    """The CPU's model name, its vector flags, and the caps and core speed ops/avx2 sets (if any)."""
+    """The CPU's model name, its vector flags, and the caps, core speed and measured pace ops/avx2 sets (if any)."""
     text = Path("/proc/cpuinfo").read_text()
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                                       "EXGRPO_CPU_SPEED") if k in os.environ}
+                                       "EXGRPO_CPU_SPEED", "EXGRPO_CPU_PACE") if k in os.environ}
     return {"model": model, "flags": sorted(f for f in flags if f.startswith(("avx", "amx"))), "caps": caps}
 
 
