@@ -109,7 +109,8 @@ def check_output(path: str, setting: str = "output_dir", shown: str | None = Non
     """Problems of the folder runs are written to (`setting` names it: output_dir, --resume, --run-dir;
     `shown` is the value quoted, `path` by default): it must be a writable folder, or creatable (its nearest
     existing parent a writable folder), and a file must be writable in it (`write_problem`: tried, not inferred)."""
-    where = f"{setting} {shown or path}" if setting.startswith("--") else f"{setting}={shown or path}"
+    value = shown or path
+    where = f"{setting} {value}" if setting.startswith("--") else f"{setting}={value}"
     target = Path(path)
     if target.exists():
         if not target.is_dir():
