@@ -192,31 +192,35 @@ def test_two_rank_drill_join_junk_freeze_kill9_nan_then_resume_on_one(small, tmp
     assert all(r["grad_norm"] > 0 or r["forward_seconds"] == 0 for r in trained)
     assert any(r.get("selected_entropy_mean") is not None for r in rows)
     # the 2-rank run's last checkpoint (the stop's) resumes on one rank, and its books still balance
+    # (no step and no actor: the steps after a resume into another world size are test_learner_ranks.py's,
+    # a resumed run's actor is test_resume.py's)
     resumed = subprocess.run(cli(["train", "--resume", str(run_dir), "learner.world_size=1", "learner.max_seconds=none",
-                                  f"learner.max_steps={steps + 1}", "actor.num_actors=1"]),  # one step: one actor
+                                  f"learner.max_steps={steps}", "actor.num_actors=0"]),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(rf"resumed from \S*step-{steps:06d}: step {steps},", resumed.stderr), resumed.stderr[-3000:]
-    check_books(run_dir, steps + 1)
+    check_books(run_dir, steps)
 
 
 def test_launcher_gives_up_once_actor_restarts_are_used_up(small, tmp_path):
     """`actor.max_restarts=1`: the launcher replaces the first actor that dies (SIGKILL); when the
     replacement dies too, no actor is left to restart, so it stops the learner and `train` exits 1 (not
-    the 143 of the learner it stopped), saying why, with no process left behind."""
+    the 143 of the learner it stopped), saying why, with no process left behind. Each actor is killed as
+    soon as it is there, before it trains: the launcher's rule does not ask when an actor died, and a
+    replacement that joins mid-run and trains is the drill's (its SIGKILL comes mid-step)."""
     out = tmp_path / "runs"
     log_path = tmp_path / "train.log"
     proc = subprocess.Popen(cli(["train", *small, *FAST_FAILURE, "learner.max_steps=100000", "actor.num_actors=1",
                                  "actor.max_restarts=1", f"output_dir={out}"]),
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
-        run_dir = wait_for(lambda: next(iter(out.glob("run-*")), None), 300, "the run folder", proc)
-        wait_for(lambda: len(rows_of(run_dir)) >= 1, 300, "the first step", proc)
-        first = actor_pids(proc.pid)
+        first = wait_for(lambda: actor_pids(proc.pid), 120, "the first actor", proc)
         os.kill(first[0], signal.SIGKILL)
-        second = wait_for(lambda: [p for p in actor_pids(proc.pid) if p not in first], 60, "the replacement", proc)
+        # replaced once the learner listens (the launcher watches its actors from then on)
+        second = wait_for(lambda: [p for p in actor_pids(proc.pid) if p not in first], 300, "the replacement", proc)
         assert "restarting it (1/1)" in log_path.read_text()
         descendants = children_of(proc.pid)
+        assert any(p not in second for p in descendants)  # the learner
         os.kill(second[0], signal.SIGKILL)
         assert proc.wait(timeout=120) == 1, log_excerpt(log_path)
     finally:
