@@ -32,6 +32,7 @@ from actors import vllm_surface
 from exgrpo_async import precision
 from exgrpo_async.config import EngineConfig, ModelConfig
 from exgrpo_async.logs import log_format
+from exgrpo_async.startup import without_gc
 
 
 @dataclass
@@ -46,8 +47,9 @@ def preload_vllm() -> tuple[type, type]:
     alone is lazy. vLLM reads its environment when an engine asks (`vllm.envs.__getattr__`, cached only
     once an engine has started), so `configure_vllm_env` may come after this."""
     vllm_surface.cap_kernels()
-    from vllm import LLM
-    from vllm.v1.engine.async_llm import AsyncLLM
+    with without_gc():  # a fifth of the import's time otherwise (exgrpo_async/startup.py)
+        from vllm import LLM
+        from vllm.v1.engine.async_llm import AsyncLLM
 
     return LLM, AsyncLLM
 
@@ -152,9 +154,10 @@ class VLLMEngine:
         configure_vllm_env(cfg, on_cpu)
         vllm_surface.cap_kernels()
         vllm_surface.check_version()  # the internals this code uses are one minor's
-        from vllm import LLM
+        with without_gc():  # vLLM's import, if not done yet, and the engine's start (exgrpo_async/startup.py)
+            from vllm import LLM
 
-        self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
+            self.llm = LLM(**engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed))
         self.tp = engine_workers(self.llm.llm_engine.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)
@@ -208,13 +211,14 @@ class AsyncVLLMEngine:
         configure_vllm_env(cfg, on_cpu)
         vllm_surface.cap_kernels()
         vllm_surface.check_version()  # the internals this code uses are one minor's
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        with without_gc():  # vLLM's import, if not done yet, and the engine's start (exgrpo_async/startup.py)
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed)
-        if on_cpu and cfg.in_process and cfg.tensor_parallel_size == 1:
-            kwargs["distributed_executor_backend"] = "uni"
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            kwargs = engine_kwargs(model_path, model_cfg, cfg, on_cpu, seed)
+            if on_cpu and cfg.in_process and cfg.tensor_parallel_size == 1:
+                kwargs["distributed_executor_backend"] = "uni"
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.tp = engine_workers(self.llm.vllm_config)
         self.cpu_weight_reload = cfg.cpu_weight_reload
         self.reload_mode = ""  # how the last sync entered vLLM: "prepacked" or "layerwise" (the worker's report)

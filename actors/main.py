@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from exgrpo_async.config import RunConfig
 from exgrpo_async.logs import end_process
+from exgrpo_async.startup import without_gc
 
 log = logging.getLogger("exgrpo_async.actor")
 
@@ -34,10 +35,11 @@ def main(learner_address: str | None, cpu_cores: list[int] | None, keys_dir: str
     vLLM, everything closed by then; a failure propagates (its traceback, exit 1)."""
     if cpu_cores:
         os.sched_setaffinity(0, set(cpu_cores))  # before torch starts its threads
-    import torch
+    with without_gc():  # torch's import and the loop's (exgrpo_async/startup.py); vLLM's is preload_vllm's
+        import torch
 
-    from actors.loop import run
-    from actors.session import HELLO_ATTEMPT_S
+        from actors.loop import run
+        from actors.session import HELLO_ATTEMPT_S
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:

@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from exgrpo_async.custom_reward import FaultLog, RewardFunctionError, call_reward_function, load_reward_function
+from exgrpo_async.startup import without_gc
 
 # Minerva golds such as "4.5e33": math-verify reads them as 4.5*e*33 (Euler's e), so spell the power out.
 _SCI_NOTATION = re.compile(r"(\d)e\+?(-?\d+)")
@@ -120,13 +121,14 @@ def _worker_main(conn: Connection, memory_limit_mb: int, function: str | None = 
         # Address-space cap: `2^{10^9}`-style inputs should fail with MemoryError here, not swap the host.
         limit = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        fn = load_reward_function(function) if function else None
-    except RewardFunctionError as e:
-        conn.send(str(e))  # instead of _READY: the parent names it when it gives up starting workers
-        return
-    if fn is None:
-        score_answer("\\boxed{1}", "1", False)  # import + antlr warm-up (~0.6 s) before any deadline runs
+    with without_gc():  # the function's or math-verify's imports (exgrpo_async/startup.py)
+        try:
+            fn = load_reward_function(function) if function else None
+        except RewardFunctionError as e:
+            conn.send(str(e))  # instead of _READY: the parent names it when it gives up starting workers
+            return
+        if fn is None:
+            score_answer("\\boxed{1}", "1", False)  # import + antlr warm-up (~0.6 s) before any deadline runs
     conn.send(_READY)
     while True:
         try:

@@ -20,6 +20,7 @@ from exgrpo_async.config import RunConfig
 from exgrpo_async.data import DataError
 from exgrpo_async.layout import standalone_threads
 from exgrpo_async.runs import new_run_dir, resolve_toy
+from exgrpo_async.startup import without_gc
 
 log = logging.getLogger("exgrpo_async.learner")
 
@@ -107,7 +108,8 @@ def _run_rank(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
     out = Path(run_dir) if run_dir else new_run_dir(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.model_dump_json(indent=2))
-    from learner.train import run
+    with without_gc():  # transformers' import, the policy's among the learner's (exgrpo_async/startup.py)
+        from learner.train import run
 
     try:
         run(cfg, out, ranks, resume=resume)
@@ -118,7 +120,8 @@ def _run_rank(cfg: RunConfig, run_dir: str | None, resume: bool, ranks) -> int:
 
 
 def _follow(cfg: RunConfig, ranks) -> int:
-    from learner.policy import Policy
+    with without_gc():  # exgrpo_async/startup.py
+        from learner.policy import Policy
 
     torch.manual_seed(cfg.learner.seed)
     Policy(cfg, ranks, ranks.device).follow()

@@ -234,7 +234,10 @@ def _learner(args, logs: dict) -> int:
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads the data and writes the run
     if not reward_function_loads(cfg) or not preflight.report(preflight.check_learner(cfg, args.run_dir, lead)):
         return 2
-    from learner.main import main as learner_main
+    from exgrpo_async.startup import without_gc
+
+    with without_gc():  # torch's import (exgrpo_async/startup.py); transformers' is learner/main.py's
+        from learner.main import main as learner_main
 
     return learner_main(cfg, args.run_dir, args.resume)
 
