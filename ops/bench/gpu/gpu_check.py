@@ -56,7 +56,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/bench/: bench.py, the shared helper
 import bench  # noqa: E402  (the repository importable: on a bare GPU machine nothing is installed)
-import gpu_check_sections as sec  # noqa: E402
+
+from exgrpo_async.startup import without_gc  # noqa: E402
+
+with without_gc():  # torch's import, frozen: the compiled variants' collections do not rescan it
+    import gpu_check_sections as sec  # noqa: E402
 
 SECTIONS = ["env", "imports", "nccl", "attention", "kernels", "fingerprint", "head", "step_1.5b", "profile", "memory_7b", "load",
             "sync", "stall"]

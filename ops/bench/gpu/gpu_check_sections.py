@@ -180,13 +180,16 @@ IMPORTS = ["exgrpo_async.config", "exgrpo_async.launcher.placement", "exgrpo_asy
 
 
 def imports(ctx: Context) -> dict:
+    from exgrpo_async.startup import without_gc
+
     r = {}
-    for mod in IMPORTS:
-        try:
-            importlib.import_module(mod)
-            r[mod] = "ok"
-        except Exception as e:  # recorded: which module of the closure this machine cannot import
-            r[mod] = f"{type(e).__name__}: {e}"
+    with without_gc():  # transformers' import among them, frozen (exgrpo_async/startup.py)
+        for mod in IMPORTS:
+            try:
+                importlib.import_module(mod)
+                r[mod] = "ok"
+            except Exception as e:  # recorded: which module of the closure this machine cannot import
+                r[mod] = f"{type(e).__name__}: {e}"
     r["all_ok"] = all(v == "ok" for v in r.values())
     return r
 
